@@ -1,0 +1,40 @@
+# The two commands a newcomer needs (README.md): `make demo` and `make test`.
+# Each creates .venv, installs the project with what it needs, and the host packages (as root).
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+TORCH_VERSION ?= 2.13.0
+HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 iputils-ping rsync
+
+.PHONY: demo plan test lint host-packages clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch; a plain `torch>=2.13` would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q 'torch==$(TORCH_VERSION)'
+	$(BIN)/pip install -q -e '.[aws,ansible,report,trainer,test]'
+	touch $@
+
+# Local nodes need systemd-nspawn, debootstrap and an SSH client on the host.
+host-packages:
+	@missing=$$(for p in $(HOST_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing host packages: $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+demo: $(STAMP) host-packages
+	$(BIN)/fsdpctl plan examples/demo.yaml
+
+plan: $(STAMP)
+	$(BIN)/fsdpctl plan examples/demo.yaml
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP) host-packages lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build
