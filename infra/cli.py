@@ -29,7 +29,7 @@ HANDLERS = {
     "down": "infra.lifecycle:cmd_down",
     "exclude": "infra.lifecycle:cmd_exclude",
     "replace": "infra.aws.stack:cmd_replace",
-    "demo": "infra.lifecycle:cmd_demo",
+    "demo": "infra.demo:cmd_demo",
 }
 
 
