@@ -13,7 +13,7 @@ import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
-class CapacityType(str, Enum):
+class CapacityType(StrEnum):
     ON_DEMAND = "on-demand"
     SPOT = "spot"
     CAPACITY_RESERVATION = "capacity-reservation"
@@ -282,8 +282,9 @@ class ClusterSpec(_Model):
     @classmethod
     def _name(cls, v: str) -> str:
         if not _NAME_RE.match(v):
-            raise ValueError("use 2-32 lower-case letters, digits and dashes, starting with a letter "
-                             "(it becomes part of host and bucket names), e.g. demo")
+            raise ValueError("is not a valid cluster name (it becomes part of host and bucket names); "
+                             "use 2-32 lower-case letters, digits and dashes, starting with a letter, "
+                             "e.g. demo")
         return v
 
     @field_validator("region")
@@ -397,11 +398,11 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
         return v if isinstance(v, Mapping) else {}
 
     region, az = data.get("region"), data.get("availability_zone")
-    if isinstance(region, str) and isinstance(az, str) and _REGION_RE.match(region):
-        if not re.fullmatch(re.escape(region) + r"[a-z]", az):
-            problems.append(Problem(
-                "availability_zone", az, f"is not an availability zone of region {region}",
-                f"use {region} followed by a zone letter, e.g. {region}a, or change region"))
+    if (isinstance(region, str) and isinstance(az, str) and _REGION_RE.match(region)
+            and not re.fullmatch(re.escape(region) + r"[a-z]", az)):
+        problems.append(Problem(
+            "availability_zone", az, f"is not an availability zone of region {region}",
+            f"use {region} followed by a zone letter, e.g. {region}a, or change region"))
 
     cidr = data.get("ssh_cidr")
     if isinstance(cidr, str) and not data.get("allow_ssh_from_anywhere"):

@@ -124,6 +124,7 @@ def resolve(name: str | None) -> ClusterState:
         name = current.read_text().strip()
     state = cluster_state(name)
     if not state.exists():
-        known = sorted(p.name for p in (home() / "clusters").glob("*")) if (home() / "clusters").exists() else []
+        clusters = home() / "clusters"
+        known = sorted(p.name for p in clusters.glob("*")) if clusters.exists() else []
         raise StateError(f"no cluster named {name!r} under {home()} (known: {', '.join(known) or 'none'})")
     return state
