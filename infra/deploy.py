@@ -1,0 +1,398 @@
+"""`fsdpctl deploy`: install this checkout's trainer, offline, into a venv on every node.
+
+Nodes have no package index (local nodes have no network at all; AWS nodes sit in a private subnet),
+so the operator machine builds a *bundle*: the trainer wheel (`pip wheel --no-deps .`) plus a
+wheelhouse of its runtime dependencies (`pip download` for the nodes' Python, ABI and glibc, probed
+on the nodes). The bundle is unpacked once on the cluster's shared file system when there is one,
+else copied to every node, and installed with `pip --no-index --find-links`.
+
+Caching, so that a second deploy is fast: the wheelhouse is keyed by the requirement list and the
+node platform, the trainer wheel by the hash of the source files it packages; both live under
+`$FSDPCTL_CACHE/deploy` on the operator machine. On the nodes, a bundle directory is complete once
+it holds `.complete`, and a venv records the bundle it was installed from, so an unchanged deploy
+uploads and installs nothing.
+
+torch: a node whose system Python already has the operator's torch version (e.g. a Deep Learning
+AMI) gets a `--system-site-packages` venv that reuses it; if every node has it, the wheelhouse leaves
+torch out. GPU nodes get the public torch version from the index (the CUDA build), never the
+operator's `+cpu` build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infra import remote
+from infra.state import ClusterState, resolve
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+# Files that end up in the trainer wheel (see [tool.setuptools] in pyproject.toml): a change in any
+# of them means a new wheel.
+_WHEEL_SOURCES = ("pyproject.toml", "infra", "trainer")
+_WHEEL_SUFFIXES = {".py", ".yaml", ".json", ".toml", ".j2", ".md"}
+PROBE_TIMEOUT_S = 30
+INSTALL_TIMEOUT_S = 900
+
+# One line of JSON per node: what the wheelhouse must match and whether torch can be reused.
+_PROBE = r"""python3 - <<'EOF'
+import json, os, platform, shutil, subprocess, sys
+try:
+    import torch
+    torch_version = torch.__version__
+except Exception:
+    torch_version = None
+gpus = 0
+if shutil.which("nvidia-smi"):
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    gpus = sum(1 for line in out.splitlines() if line.startswith("GPU "))
+print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "machine": platform.machine(),
+                  "glibc": platform.libc_ver()[1], "torch": torch_version, "gpus": gpus,
+                  "home": os.path.expanduser("~"),
+                  "venv_module": subprocess.run([sys.executable, "-c", "import ensurepip, venv"],
+                                                capture_output=True).returncode == 0}))
+EOF"""
+
+
+class DeployError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FSDPCTL_CACHE") or Path.home() / ".cache" / "fsdp-cluster") / "deploy"
+
+
+@dataclass(frozen=True)
+class NodePlatform:
+    python: str  # "3.11"
+    machine: str  # "x86_64"
+    glibc: str  # "2.36"
+
+    @property
+    def abi(self) -> str:
+        return "cp" + self.python.replace(".", "")
+
+    def pip_target_args(self) -> list[str]:
+        """`pip download` flags that select wheels this node can install."""
+        major, minor = (int(x) for x in self.glibc.split(".")[:2])
+        platforms = [f"manylinux_{major}_{m}_{self.machine}" for m in range(minor, 16, -1)]
+        platforms += [f"manylinux2014_{self.machine}", f"linux_{self.machine}"]
+        args = ["--only-binary=:all:", "--python-version", self.python, "--implementation", "cp",
+                "--abi", self.abi, "--abi", "abi3", "--abi", "none"]
+        for p in platforms:
+            args += ["--platform", p]
+        return args
+
+
+@dataclass(frozen=True)
+class Bundle:
+    key: str
+    directory: Path  # operator side: the wheels, constraints.txt
+    trainer_wheel: str  # file name inside the bundle
+    includes_torch: bool
+
+    @property
+    def tarball(self) -> Path:
+        return self.directory.with_suffix(".tar")
+
+
+def _log(message: str) -> None:
+    print(f"[deploy] {message}", flush=True)
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def source_hash(root: Path = PROJECT_ROOT) -> str:
+    h = hashlib.sha256()
+    for name in _WHEEL_SOURCES:
+        base = root / name
+        files = [base] if base.is_file() else sorted(
+            p for p in base.rglob("*") if p.is_file() and p.suffix in _WHEEL_SUFFIXES
+            and "__pycache__" not in p.parts)
+        for path in files:
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def trainer_requirements(torch_pin: str | None, root: Path = PROJECT_ROOT) -> list[str]:
+    """The runtime requirements of the `trainer` extra (plus the base dependencies), with torch pinned
+    to `torch_pin` or left out when None (the nodes reuse their own)."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    requirements = list(project.get("dependencies", [])) + list(project["optional-dependencies"]["trainer"])
+    out = []
+    for req in requirements:
+        name = req.split(";")[0].split("[")[0]
+        for sep in "<>=!~ ":
+            name = name.split(sep)[0]
+        if name.lower() == "torch":
+            if torch_pin is not None:
+                out.append(torch_pin)
+        else:
+            out.append(req)
+    return out
+
+
+def operator_torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        raise DeployError("torch is not installed on this machine; deploy pins the nodes' torch to the "
+                          "operator's version: install it (CPU build: pip install torch --index-url "
+                          "https://download.pytorch.org/whl/cpu) and rerun `fsdpctl deploy`") from None
+
+
+def _public_version(version: str) -> str:
+    return version.split("+")[0]
+
+
+def _run_pip(args: list[str], what: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        raise DeployError(f"{what} failed (pip exit {proc.returncode}):\n{tail}")
+
+
+def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
+    """Build (or reuse from the cache) the trainer wheel and the dependency wheelhouse."""
+    requirements = trainer_requirements(torch_pin)
+    root = cache_root()
+    wheelhouse_key = _digest(*requirements, platform.python, platform.machine, platform.glibc)
+    wheelhouse = root / f"wheelhouse-{wheelhouse_key}"
+    if (wheelhouse / ".complete").exists():
+        _log(f"wheelhouse cached: {wheelhouse}")
+    else:
+        _log(f"downloading wheels for Python {platform.python} {platform.machine} glibc {platform.glibc}: "
+             + ", ".join(requirements))
+        partial = wheelhouse.with_name(wheelhouse.name + ".partial")
+        subprocess.run(["rm", "-rf", str(partial)], check=True)
+        partial.mkdir(parents=True)
+        _run_pip(["download", "-q", "--dest", str(partial), *platform.pip_target_args(), *requirements],
+                 "downloading the wheelhouse")
+        (partial / ".complete").touch()
+        subprocess.run(["rm", "-rf", str(wheelhouse)], check=True)
+        partial.rename(wheelhouse)
+
+    src_key = source_hash()
+    wheel_dir = root / f"trainer-{src_key}"
+    if not (wheel_dir / ".complete").exists():
+        _log(f"building the trainer wheel from {PROJECT_ROOT}")
+        subprocess.run(["rm", "-rf", str(wheel_dir)], check=True)
+        _run_pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir),
+                  str(PROJECT_ROOT)], "building the trainer wheel")
+        (wheel_dir / ".complete").touch()
+    else:
+        _log(f"trainer wheel cached (sources {src_key})")
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise DeployError(f"expected one trainer wheel in {wheel_dir}, found {len(wheels)}: "
+                          f"remove {wheel_dir} and rerun `fsdpctl deploy`")
+
+    key = _digest(wheelhouse_key, src_key)
+    directory = root / f"bundle-{key}"
+    bundle = Bundle(key=key, directory=directory, trainer_wheel=wheels[0].name,
+                    includes_torch=torch_pin is not None)
+    if not bundle.tarball.exists():
+        tmp = bundle.tarball.with_suffix(".tar.partial")
+        with tarfile.open(tmp, "w") as tar:
+            for path in [*sorted(wheelhouse.glob("*.whl")), wheels[0]]:
+                tar.add(path, arcname=path.name)
+            constraints = (torch_pin or "") + "\n"
+            info = tarfile.TarInfo("constraints.txt")
+            info.size = len(constraints)
+            tar.addfile(info, fileobj=io.BytesIO(constraints.encode()))
+        tmp.rename(bundle.tarball)
+    size_mb = bundle.tarball.stat().st_size / 1e6
+    _log(f"bundle {key}: {len(list(wheelhouse.glob('*.whl'))) + 1} wheels, {size_mb:.0f} MB")
+    return bundle
+
+
+def active_ranks(state: ClusterState, ranks: list[int] | None = None) -> list[int]:
+    """Ranks of the cluster's nodes that are not excluded (or the requested subset of them)."""
+    data = state.read()
+    known = [n["rank"] for n in data.get("nodes", [])]
+    if not known:
+        raise DeployError(f"cluster {state.name!r} has no nodes in {state.state_path}: "
+                          "run `fsdpctl up` first")
+    excluded = {e["rank"] for e in data.get("excluded", [])}
+    if ranks is None:
+        return [r for r in known if r not in excluded]
+    unknown = sorted(set(ranks) - set(known))
+    if unknown:
+        raise DeployError(f"rank(s) {unknown} are not nodes of cluster {state.name!r} (ranks: {known})")
+    return list(ranks)
+
+
+def probe_nodes(state: ClusterState, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    failures = []
+    with ThreadPoolExecutor(max_workers=min(16, len(ranks))) as pool:
+        futures = {pool.submit(remote.run, state, r, _PROBE, timeout=PROBE_TIMEOUT_S, check=False): r
+                   for r in ranks}
+        for fut in as_completed(futures):
+            rank = futures[fut]
+            try:
+                proc = fut.result()
+                if proc.returncode != 0:
+                    output = (proc.stderr or proc.stdout).strip()[-300:]
+                    raise DeployError(f"exit {proc.returncode}: {output}")
+                out[rank] = json.loads(proc.stdout.strip().splitlines()[-1])
+            except (subprocess.TimeoutExpired, DeployError, ValueError, IndexError) as e:
+                failures.append(f"node {rank}: {e}")
+    if failures:
+        raise DeployError("could not probe the nodes' Python:\n  " + "\n  ".join(sorted(failures)))
+    return out
+
+
+def _common_platform(facts: dict[int, dict[str, Any]]) -> NodePlatform:
+    platforms = {(f["python"], f["machine"]) for f in facts.values()}
+    if len(platforms) != 1:
+        detail = ", ".join(f"node {r}: Python {f['python']} {f['machine']}" for r, f in sorted(facts.items()))
+        raise DeployError(f"the nodes run different Pythons ({detail}); one wheelhouse cannot serve them: "
+                          "rebuild the odd nodes from the same image (`fsdpctl replace RANK` on aws)")
+    missing_venv = sorted(r for r, f in facts.items() if not f["venv_module"])
+    if missing_venv:
+        raise DeployError(f"node(s) {missing_venv} lack Python's venv/ensurepip module: run "
+                          "`fsdpctl configure` (the common role installs python3-venv) and deploy again")
+    python, machine = platforms.pop()
+    # Wheels must run on the oldest glibc among the nodes.
+    glibc = min((f["glibc"] for f in facts.values()), key=lambda v: tuple(int(x) for x in v.split(".")))
+    return NodePlatform(python=python, machine=machine, glibc=glibc)
+
+
+def _install_script(bundle: Bundle, bundle_dir: str, venv: str, torch_version: str) -> str:
+    q = shlex.quote
+    wheel = f"{bundle_dir}/{bundle.trainer_wheel}"
+    reuse_torch = (f"python3 -c 'import torch, sys; sys.exit(torch.__version__.split(\"+\")[0] != "
+                   f"\"{_public_version(torch_version)}\")' 2>/dev/null")
+    return f"""set -e
+venv={q(venv)}
+if [ "$(cat "$venv/.fsdp-bundle" 2>/dev/null)" = {q(bundle.key)} ]; then echo "already installed"; exit 0; fi
+if [ ! -x "$venv/bin/python" ]; then
+  if {reuse_torch}; then flags=--system-site-packages; echo "reusing the node's torch"; else flags=; fi
+  mkdir -p "$(dirname "$venv")"
+  python3 -m venv $flags "$venv"
+fi
+"$venv/bin/pip" install -q --no-index --find-links {q(bundle_dir)} -c {q(bundle_dir + '/constraints.txt')} \\
+  {q(wheel + '[trainer]')}
+"$venv/bin/pip" install -q --no-index --no-deps --force-reinstall {q(wheel)}
+"$venv/bin/python" -c 'import torch, trainer; print("torch", torch.__version__)'
+echo {q(bundle.key)} > "$venv/.fsdp-bundle"
+"""
+
+
+def _upload(state: ClusterState, rank: int, bundle: Bundle, bundle_dir: str) -> str:
+    """Unpack the bundle at bundle_dir on the node unless it is already there; returns what happened."""
+    done = remote.run(state, rank, f"test -f {shlex.quote(bundle_dir)}/.complete", timeout=PROBE_TIMEOUT_S,
+                      check=False)
+    if done.returncode == 0:
+        return "cached"
+    remote_tar = f"/tmp/fsdp-bundle-{bundle.key}.tar"
+    remote.copy_to(state, rank, bundle.tarball, remote_tar)
+    q = shlex.quote
+    remote.run(state, rank, f"set -e; rm -rf {q(bundle_dir)}; mkdir -p {q(bundle_dir)}; "
+               f"tar -xf {q(remote_tar)} -C {q(bundle_dir)}; rm -f {q(remote_tar)}; "
+               f"touch {q(bundle_dir)}/.complete", timeout=INSTALL_TIMEOUT_S)
+    return "uploaded"
+
+
+def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> dict[str, Any]:
+    """Build, upload and install the trainer on the given ranks (default: every non-excluded node).
+    Returns the deploy record also stored in state.json under `deploy`."""
+    started = time.monotonic()
+    ranks = active_ranks(state, ranks)
+    _log(f"probing {len(ranks)} node(s)")
+    facts = probe_nodes(state, ranks)
+    platform = _common_platform(facts)
+    homes = {f["home"] for f in facts.values()}
+    if len(homes) != 1:
+        raise DeployError(f"the nodes' SSH users have different home directories ({sorted(homes)}); "
+                          "deploy installs the venv under one path on every node")
+    home = homes.pop()
+    venv = f"{home}/.fsdp-cluster/venv"
+
+    operator_torch = operator_torch_version()
+    any_gpu = any(f["gpus"] > 0 for f in facts.values())
+    # GPU nodes need the index's default (CUDA) build of the same version, not the operator's +cpu.
+    torch_version = _public_version(operator_torch) if any_gpu else operator_torch
+    all_reuse = all(f["torch"] and _public_version(f["torch"]) == _public_version(operator_torch)
+                    for f in facts.values())
+    bundle = build_bundle(platform, None if all_reuse else f"torch=={torch_version}")
+
+    shared_dir = state.read().get("shared_dir")
+    if shared_dir:
+        bundle_dir = f"{shared_dir}/fsdp-cluster/bundles/{bundle.key}"
+        _log(f"bundle -> shared file system {bundle_dir} (through node {ranks[0]}): "
+             + _upload(state, ranks[0], bundle, bundle_dir))
+    else:
+        bundle_dir = f"{home}/.fsdp-cluster/bundles/{bundle.key}"
+        with ThreadPoolExecutor(max_workers=min(8, len(ranks))) as pool:
+            futures = {pool.submit(_upload, state, r, bundle, bundle_dir): r for r in ranks}
+            for fut in as_completed(futures):
+                _log(f"bundle -> node {futures[fut]}: {fut.result()}")
+
+    _log(f"installing into {venv} on {len(ranks)} node(s)")
+    script = _install_script(bundle, bundle_dir, venv, torch_version)
+    failures, installed = [], {}
+    with ThreadPoolExecutor(max_workers=min(16, len(ranks))) as pool:
+        t0 = time.monotonic()
+        futures = {pool.submit(remote.run, state, r, script, timeout=INSTALL_TIMEOUT_S, check=False): r
+                   for r in ranks}
+        for fut in as_completed(futures):
+            rank = futures[fut]
+            try:
+                proc = fut.result()
+            except subprocess.TimeoutExpired:
+                failures.append(f"node {rank}: install timed out after {INSTALL_TIMEOUT_S} s")
+                continue
+            lines = (proc.stdout or "").strip().splitlines()
+            if proc.returncode != 0:
+                failures.append(f"node {rank}: exit {proc.returncode}: "
+                                + (proc.stderr or proc.stdout or "").strip()[-500:])
+            else:
+                installed[rank] = lines[-1] if lines else ""
+                _log(f"node {rank}: {installed[rank]} ({time.monotonic() - t0:.0f} s)")
+    if failures:
+        raise DeployError("installing the trainer failed:\n  " + "\n  ".join(sorted(failures)))
+
+    record = {"bundle": bundle.key, "venv": venv, "bundle_dir": bundle_dir, "ranks": sorted(ranks),
+              "torch": torch_version, "includes_torch": bundle.includes_torch,
+              "python": platform.python, "deployed_at": time.time()}
+    state.update(deploy=record)
+    _log(f"done in {time.monotonic() - started:.0f} s")
+    return record
+
+
+def deployed_venv(state: ClusterState) -> str:
+    """The venv that `fsdpctl deploy` installed the trainer into, or a DeployError saying to deploy."""
+    record = state.read().get("deploy")
+    if not record:
+        raise DeployError(f"the trainer is not deployed on cluster {state.name!r}: "
+                          "run `fsdpctl deploy` first")
+    return record["venv"]
+
+
+def cmd_deploy(args) -> int:
+    from infra.cli import CommandError
+
+    state = resolve(args.cluster)
+    try:
+        deploy(state)
+    except DeployError as e:
+        raise CommandError(f"deploy to cluster {state.name!r} failed: {e}\n"
+                           "Fix the cause and rerun `fsdpctl deploy` (finished steps are cached).") from None
+    return 0
