@@ -223,8 +223,9 @@ class SmokeContext:
     def on_gpu(self) -> bool:
         return self.spec.instance.gpus > 0 and self.state.read().get("target") != "local"
 
-    def job(self, name: str, module_args: list[str], **kwargs: Any) -> TorchrunJob:
-        return TorchrunJob(self.state, self.ranks, module_args, nproc=self.nproc,
+    def job(self, name: str, module_args: list[str], *, ranks: list[int] | None = None,
+            **kwargs: Any) -> TorchrunJob:
+        return TorchrunJob(self.state, ranks or self.ranks, module_args, nproc=self.nproc,
                            port=self.spec.trainer.master_port, log_dir=self.run_dir, name=name,
                            interfaces=self.interfaces, **kwargs)
 
@@ -500,6 +501,19 @@ def _kill_and_time_recovery(ctx: SmokeContext, job: TorchrunJob, victim: int, me
     raise SmokeError(f"training did not continue within {RECOVERY_TIMEOUT_S} s of the kill")
 
 
+def smoke_context(state: ClusterState, kind: str, *, steps: int) -> SmokeContext:
+    """A context for runs on every non-excluded node, with a fresh run dir (logs) in the state dir and
+    a work dir on the nodes (shared when the cluster has a shared file system)."""
+    ranks = [n.rank for n in remote.cluster_nodes(state)]
+    if not ranks:
+        raise SmokeError(f"cluster {state.name!r} has no (non-excluded) nodes: run `fsdpctl up` first")
+    shared_dir = state.read().get("shared_dir")
+    run_dir = state.new_run_dir(kind)
+    return SmokeContext(state=state, spec=state.spec(), ranks=ranks, run_dir=run_dir,
+                        work_dir=f"{shared_dir or '/tmp'}/fsdp-cluster/{kind}/{run_dir.name}",
+                        shared=bool(shared_dir), steps=steps)
+
+
 CHECK_FUNCTIONS: dict[str, Callable[[SmokeContext, CheckResult], None]] = {
     "inventory": check_inventory,
     "bandwidth": check_bandwidth,
@@ -514,16 +528,9 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None,
     unknown = sorted(set(skip or []) - set(CHECKS))
     if unknown:
         raise SmokeError(f"unknown check(s) to skip: {', '.join(unknown)}; checks are {', '.join(CHECKS)}")
-    spec = state.spec()
-    data = state.read()
-    ranks = [n.rank for n in remote.cluster_nodes(state)]
-    if not ranks:
-        raise SmokeError(f"cluster {state.name!r} has no (non-excluded) nodes: run `fsdpctl up` first")
-    shared_dir = data.get("shared_dir")
-    run_dir = state.new_run_dir("smoke")
-    work_dir = f"{shared_dir or '/tmp'}/fsdp-cluster/smoke/{run_dir.name}"
-    ctx = SmokeContext(state=state, spec=spec, ranks=ranks, run_dir=run_dir, work_dir=work_dir,
-                       shared=bool(shared_dir), steps=steps or 20)
+    ctx = smoke_context(state, "smoke", steps=steps or 20)
+    spec, data, ranks, work_dir = ctx.spec, state.read(), ctx.ranks, ctx.work_dir
+    run_dir = ctx.run_dir
     started = datetime.now(UTC).isoformat(timespec="seconds")
     results: list[CheckResult] = []
     blocked: str | None = None
