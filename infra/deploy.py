@@ -29,6 +29,7 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -40,9 +41,9 @@ from infra import remote
 from infra.state import ClusterState, resolve
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-# Files that end up in the trainer wheel (see [tool.setuptools] in pyproject.toml): a change in any
-# of them means a new wheel.
-_WHEEL_SOURCES = ("pyproject.toml", "infra", "trainer")
+# Files that end up in the trainer wheel (see [tool.setuptools] in pyproject.toml; README.md is the
+# package's readme): a change in any of them means a new wheel.
+_WHEEL_SOURCES = ("pyproject.toml", "README.md", "infra", "trainer")
 _WHEEL_SUFFIXES = {".py", ".yaml", ".json", ".toml", ".j2", ".md"}
 PROBE_TIMEOUT_S = 30
 INSTALL_TIMEOUT_S = 900
@@ -117,7 +118,10 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def source_hash(root: Path = PROJECT_ROOT) -> str:
+def snapshot_sources(target: Path, root: Path = PROJECT_ROOT) -> str:
+    """Copy the files the wheel is built from into `target` and return their hash. Building from the
+    snapshot keeps the wheel consistent with its hash while the checkout changes, and keeps pip's
+    build/ and egg-info out of the checkout."""
     h = hashlib.sha256()
     for name in _WHEEL_SOURCES:
         base = root / name
@@ -125,7 +129,11 @@ def source_hash(root: Path = PROJECT_ROOT) -> str:
             p for p in base.rglob("*") if p.is_file() and p.suffix in _WHEEL_SUFFIXES
             and "__pycache__" not in p.parts)
         for path in files:
-            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+            relative = path.relative_to(root)
+            data = path.read_bytes()
+            h.update(str(relative).encode() + b"\0" + data + b"\0")
+            (target / relative).parent.mkdir(parents=True, exist_ok=True)
+            (target / relative).write_bytes(data)
     return h.hexdigest()[:16]
 
 
@@ -187,16 +195,17 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
         subprocess.run(["rm", "-rf", str(wheelhouse)], check=True)
         partial.rename(wheelhouse)
 
-    src_key = source_hash()
-    wheel_dir = root / f"trainer-{src_key}"
-    if not (wheel_dir / ".complete").exists():
-        _log(f"building the trainer wheel from {PROJECT_ROOT}")
-        subprocess.run(["rm", "-rf", str(wheel_dir)], check=True)
-        _run_pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir),
-                  str(PROJECT_ROOT)], "building the trainer wheel")
-        (wheel_dir / ".complete").touch()
-    else:
-        _log(f"trainer wheel cached (sources {src_key})")
+    with tempfile.TemporaryDirectory(prefix="fsdp-wheel-") as tmp:
+        src_key = snapshot_sources(Path(tmp))
+        wheel_dir = root / f"trainer-{src_key}"
+        if not (wheel_dir / ".complete").exists():
+            _log(f"building the trainer wheel from {PROJECT_ROOT} (sources {src_key})")
+            subprocess.run(["rm", "-rf", str(wheel_dir)], check=True)
+            _run_pip(["wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), tmp],
+                     "building the trainer wheel")
+            (wheel_dir / ".complete").touch()
+        else:
+            _log(f"trainer wheel cached (sources {src_key})")
     wheels = sorted(wheel_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise DeployError(f"expected one trainer wheel in {wheel_dir}, found {len(wheels)}: "
@@ -207,6 +216,9 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
     bundle = Bundle(key=key, directory=directory, trainer_wheel=wheels[0].name,
                     includes_torch=torch_pin is not None)
     if not bundle.tarball.exists():
+        # Bundles are cheap to remake from the cached parts; keep one on disk.
+        for old in root.glob("bundle-*.tar"):
+            old.unlink()
         tmp = bundle.tarball.with_suffix(".tar.partial")
         with tarfile.open(tmp, "w") as tar:
             for path in [*sorted(wheelhouse.glob("*.whl")), wheels[0]]:

@@ -355,7 +355,7 @@ def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
     rows = read_remote_jsonl(ctx.state, ctx.ranks[0], metrics)
     lines = step_lines(rows)
     summary_event = next((r for r in rows if r.get("event") == "summary"), {})
-    ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(summary_event)}
+    ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(lines)}
     problems, facts = [], {"steps": len(lines), "world_size": len(ctx.ranks) * ctx.nproc}
     if len(lines) < steps:
         result.fail(f"the run logged {len(lines)} of {steps} steps to {metrics}")
@@ -376,10 +376,14 @@ def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
                         f"{MEMORY_BALANCE_BOUND}")
 
     timed = lines[1:] or lines  # the first step includes start-up work
-    share = sum(r.get("grad_sync_share") or 0.0 for r in timed) / len(timed)
+    shares = [r["grad_sync_share"] for r in timed if r.get("grad_sync_share") is not None]
+    share = sum(shares) / len(shares) if shares else None
     facts["grad_sync_share"] = share
-    facts["tokens_per_s"] = sum(r.get("tokens_per_s") or 0.0 for r in timed) / len(timed)
-    if ctx.on_gpu and share >= GRAD_SYNC_SHARE_BOUND:
+    facts["tokens_per_s"] = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    if ctx.on_gpu and share is None:
+        problems.append("gradient-sync share not measured: the trainer config needs "
+                        "training.gradient_accumulation >= 2")
+    elif ctx.on_gpu and share >= GRAD_SYNC_SHARE_BOUND:
         problems.append(f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})")
 
     checkpoints = _list_checkpoints(ctx, ckpt)
@@ -414,18 +418,24 @@ def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
         result.fail("; ".join(problems))
     else:
         sync_note = "" if ctx.on_gpu else " (reported, not gated, on gloo)"
+        sync = "not measured" if share is None else f"{share:.0%}"
         result.summary = (f"loss {first:.3f} -> {last:.3f}; memory max/min {ratio:.2f}; grad sync "
-                          f"{share:.0%}{sync_note}; {len(verified)} checkpoint(s) verified; resumed at "
+                          f"{sync}{sync_note}; {len(verified)} checkpoint(s) verified; resumed at "
                           f"step {facts['resume']['first_step']}")
 
 
-def per_rank_figures(summary_event: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per-rank throughput and peak memory from the trainer's summary line, when it has them."""
-    per_rank = summary_event.get("per_rank")
-    if isinstance(per_rank, list):
-        return [{"rank": i, **{k: v for k, v in r.items() if k in ("tokens_per_s", "max_mem_bytes")}}
-                for i, r in enumerate(per_rank) if isinstance(r, dict)]
-    return []
+def per_rank_figures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Peak memory of each rank over the run, and throughput per rank (steps are synchronous across
+    ranks, so each rank's tokens/s is the global figure divided by the world size; the first step,
+    start-up included, is left out)."""
+    per_step = [r["mem_bytes_per_rank"] for r in lines if r.get("mem_bytes_per_rank")]
+    if not per_step:
+        return []
+    timed = lines[1:] or lines
+    world = len(per_step[-1])
+    tokens = sum(r["tokens_per_s"] for r in timed) / len(timed) / world
+    return [{"rank": rank, "max_mem_bytes": max(m[rank] for m in per_step if len(m) == world),
+             "tokens_per_s": tokens} for rank in range(world)]
 
 
 def check_recovery(ctx: SmokeContext, result: CheckResult) -> None:
