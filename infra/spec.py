@@ -31,6 +31,12 @@ RANK_TAG = f"{TAG_PREFIX}:node-rank"
 DEFAULT_DLAMI_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 )
+# The bastion runs the public image whose login user is the nodes' `access.ssh_user`, so one
+# `ssh_user@bastion` ProxyJump works with the same key.
+BASTION_SSM_PARAMETERS = {
+    "ubuntu": "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id",
+    "ec2-user": "/aws/service/ami-amazon-linux-latest/al2023-ami-kernel-default-x86_64",
+}
 FSX_PERSISTENT_THROUGHPUTS = {
     "PERSISTENT_1": (50, 100, 200),
     "PERSISTENT_2": (125, 250, 500, 1000),
@@ -450,6 +456,12 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem(
             "access", {"bastion": False, "ssm": False}, "leaves no way to reach the private nodes",
             "enable access.bastion or access.ssm"))
+    ssh_user = access.get("ssh_user", "ubuntu")
+    if access.get("bastion", True) and isinstance(ssh_user, str) and ssh_user not in BASTION_SSM_PARAMETERS:
+        problems.append(Problem(
+            "access.ssh_user", ssh_user,
+            "has no matching bastion image (the bastion logs in as the same user)",
+            f"use one of {', '.join(BASTION_SSM_PARAMETERS)}, or set access.bastion: false and use SSM"))
     if access.get("key_name") and access.get("public_key"):
         problems.append(Problem(
             "access.public_key", "<key>", "conflicts with access.key_name",
@@ -477,6 +489,12 @@ def _fsx_problems(fsx: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem(
             "storage.fsx.throughput_per_tib", tput, f"is not offered for {dtype}",
             f"use one of {', '.join(map(str, allowed))} MB/s/TiB"))
+    export, imported = fsx.get("s3_export_path"), fsx.get("s3_import_path")
+    if dtype == "PERSISTENT_2" and export and imported and export != imported:
+        problems.append(Problem(
+            "storage.fsx.s3_export_path", export,
+            "differs from s3_import_path; PERSISTENT_2 links one S3 path for import and export",
+            f"set it to {imported}, or leave it empty for import only"))
     if fsx.get("s3_export_path") and not fsx.get("s3_import_path"):
         problems.append(Problem(
             "storage.fsx.s3_export_path", fsx.get("s3_export_path"), "needs an import path too",

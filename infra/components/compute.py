@@ -1,0 +1,179 @@
+"""The GPU nodes, their launch template and placement group, and the bastion.
+
+One launch template per instance type carries everything a node is launched with: the EFA layout
+(one EFA per network card), IMDSv2, the encrypted gp3 root volume, the instance profile, the
+placement group and how the capacity is bought (spot, reservation, Capacity Block). Each node is an
+`aws.ec2.Instance` from that template whose logical name is `spec.node_name(rank)`, so a node keeps
+its rank (and `fsdpctl replace RANK` can target exactly one URN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.components.context import COMPONENT_PREFIX, ClusterContext, child_options
+from infra.spec import BASTION_SSM_PARAMETERS, RANK_TAG, CapacityType
+
+# Only programs on the node itself (not containers behind a bridge, which add a hop) may read
+# instance metadata; raise to 2 if training runs in containers that need the node role.
+IMDS_HOP_LIMIT = 1
+BASTION_ROOT_GIB = 10
+EFA_INTERFACE_TYPES = ("efa", "efa-only")
+
+
+@dataclass(frozen=True)
+class InterfaceSlot:
+    network_card_index: int
+    device_index: int
+    interface_type: str
+
+
+def efa_interface_layout(network_cards: int) -> list[InterfaceSlot]:
+    """The network interfaces of a node, as the EC2 user guide (EFA for accelerated instance types)
+    prescribes: card 0 carries the ENA primary interface (device 0, the node's IP) and an
+    `efa-only` interface (device 1); every other card one `efa-only` interface (device 0). One EFA
+    per network card: 4 on p4d/p4de, 32 on p5."""
+    slots = [InterfaceSlot(0, 0, "interface"), InterfaceSlot(0, 1, "efa-only")]
+    slots += [InterfaceSlot(card, 0, "efa-only") for card in range(1, network_cards)]
+    return slots
+
+
+def efa_count(slots: list[InterfaceSlot]) -> int:
+    return sum(slot.interface_type in EFA_INTERFACE_TYPES for slot in slots)
+
+
+def resolve_ami(ctx: ClusterContext, ssm_parameter: str) -> str:
+    return aws.ssm.get_parameter(name=ssm_parameter, opts=ctx.invoke_options()).value
+
+
+class Compute(pulumi.ComponentResource):
+    nodes: list[aws.ec2.Instance]
+    efa_count: int
+    ami_id: str
+    placement_group_name: pulumi.Output[str] | None
+    bastion_public_ip: pulumi.Output[str] | None
+
+    def __init__(self, ctx: ClusterContext, *, private_subnet_id: pulumi.Input[str],
+                 public_subnet_id: pulumi.Input[str] | None, node_security_group_id: pulumi.Input[str],
+                 bastion_security_group_id: pulumi.Input[str] | None,
+                 instance_profile_arn: pulumi.Input[str], key_name: pulumi.Input[str] | None,
+                 opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
+        spec = ctx.spec
+        self.ami_id = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
+        self.placement_group_name = self._placement_group(ctx)
+        slots = efa_interface_layout(spec.instance.network_cards)
+        self.efa_count = efa_count(slots)
+        template = self._launch_template(ctx, slots, private_subnet_id, node_security_group_id,
+                                         instance_profile_arn, key_name)
+        self.nodes = [
+            aws.ec2.Instance(
+                spec.node_name(rank),
+                launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+                tags={**ctx.tags, RANK_TAG: str(rank), "Name": spec.node_name(rank)},
+                opts=child_options(self))
+            for rank in range(spec.node_count)
+        ]
+        self.bastion_public_ip = None
+        if spec.access.bastion:
+            self.bastion_public_ip = self._bastion(ctx, public_subnet_id, bastion_security_group_id,
+                                                   key_name)
+        self.register_outputs({"node_ids": [n.id for n in self.nodes]})
+
+    def _placement_group(self, ctx: ClusterContext) -> pulumi.Output[str] | None:
+        spec = ctx.spec
+        if not spec.uses_placement_group:
+            return None
+        if spec.placement_group.existing_name:
+            return pulumi.Output.from_input(spec.placement_group.existing_name)
+        group = aws.ec2.PlacementGroup(
+            ctx.resource_name("placement"), strategy="cluster", tags=ctx.tags_named("placement"),
+            opts=child_options(self))
+        return group.name
+
+    def _launch_template(self, ctx: ClusterContext, slots: list[InterfaceSlot],
+                         subnet_id: pulumi.Input[str], security_group_id: pulumi.Input[str],
+                         instance_profile_arn: pulumi.Input[str],
+                         key_name: pulumi.Input[str] | None) -> aws.ec2.LaunchTemplate:
+        spec = ctx.spec
+        root_device = aws.ec2.get_ami(filters=[{"name": "image-id", "values": [self.ami_id]}],
+                                      opts=ctx.invoke_options()).root_device_name
+        interfaces = [
+            {
+                "network_card_index": slot.network_card_index,
+                "device_index": slot.device_index,
+                "interface_type": slot.interface_type,
+                "subnet_id": subnet_id,
+                "security_groups": [security_group_id],
+                "delete_on_termination": "true",
+                # Instances with several network cards cannot get a public IP; reach them through
+                # the bastion or SSM.
+                "associate_public_ip_address": "false",
+            }
+            for slot in slots
+        ]
+        capacity = spec.capacity
+        market: dict | None = None
+        if capacity.type is CapacityType.SPOT:
+            spot_options: dict = {"spot_instance_type": "one-time",
+                                  "instance_interruption_behavior": "terminate"}
+            if capacity.spot_max_price is not None:
+                spot_options["max_price"] = str(capacity.spot_max_price)
+            market = {"market_type": "spot", "spot_options": spot_options}
+        elif capacity.type is CapacityType.CAPACITY_BLOCK:
+            market = {"market_type": "capacity-block"}
+        reservation = None
+        if capacity.uses_reservation:
+            reservation = {
+                "capacity_reservation_target": {"capacity_reservation_id": capacity.reservation_id}}
+        placement = {"group_name": self.placement_group_name} if self.placement_group_name else None
+        return aws.ec2.LaunchTemplate(
+            ctx.resource_name(spec.instance_type.replace(".", "-")),
+            description=f"fsdp-cluster {spec.name}: {spec.instance_type} with {efa_count(slots)} EFA",
+            image_id=self.ami_id,
+            instance_type=spec.instance_type,
+            key_name=key_name,
+            iam_instance_profile={"arn": instance_profile_arn},
+            metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
+                              "http_put_response_hop_limit": IMDS_HOP_LIMIT,
+                              "instance_metadata_tags": "disabled"},
+            block_device_mappings=[{
+                "device_name": root_device,
+                "ebs": {"volume_size": spec.storage.root_volume_gib, "volume_type": "gp3",
+                        "encrypted": "true", "delete_on_termination": "true"},
+            }],
+            network_interfaces=interfaces,
+            placement=placement,
+            instance_market_options=market,
+            capacity_reservation_specification=reservation,
+            # Volumes and ENIs are tagged at launch so the teardown sweep can find any that survive.
+            tag_specifications=[{"resource_type": "volume", "tags": ctx.tags},
+                                {"resource_type": "network-interface", "tags": ctx.tags}],
+            update_default_version=True,
+            tags=ctx.tags_named(spec.instance_type.replace(".", "-")),
+            opts=child_options(self))
+
+    def _bastion(self, ctx: ClusterContext, subnet_id: pulumi.Input[str] | None,
+                 security_group_id: pulumi.Input[str] | None,
+                 key_name: pulumi.Input[str] | None) -> pulumi.Output[str]:
+        access = ctx.spec.access
+        # The bastion's image matches the node user, so one `ssh_user@bastion` ProxyJump works.
+        ami = resolve_ami(ctx, BASTION_SSM_PARAMETERS[access.ssh_user])
+        bastion = aws.ec2.Instance(
+            ctx.resource_name("bastion"),
+            ami=ami,
+            instance_type=access.bastion_instance_type,
+            subnet_id=subnet_id,
+            vpc_security_group_ids=[security_group_id],
+            associate_public_ip_address=True,
+            key_name=key_name,
+            metadata_options={"http_endpoint": "enabled", "http_tokens": "required",
+                              "http_put_response_hop_limit": IMDS_HOP_LIMIT},
+            root_block_device={"volume_type": "gp3", "volume_size": BASTION_ROOT_GIB, "encrypted": True,
+                               "delete_on_termination": True, "tags": ctx.tags_named("bastion")},
+            tags=ctx.tags_named("bastion"),
+            opts=child_options(self))
+        return bastion.public_ip

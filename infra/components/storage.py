@@ -1,0 +1,103 @@
+"""Shared storage: the checkpoint bucket and the optional FSx for Lustre file system.
+
+The bucket keeps checkpoints for `checkpoint_bucket.retention_days` (the guide's 7-day rule) and
+then expires them, noncurrent versions included, so versioning cannot keep them alive forever.
+Node-local scratch (the NVMe instance store as RAID0) needs no resource: the Ansible role builds it.
+"""
+
+from __future__ import annotations
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.components.context import COMPONENT_PREFIX, ClusterContext, child_options
+
+# S3 bucket_prefix is at most 37 characters; AWS appends a unique suffix.
+_BUCKET_PREFIX_MAX = 37
+# Lustre version with PERSISTENT_2 and data repository associations.
+LUSTRE_VERSION = "2.15"
+
+
+def bucket_prefix(cluster_name: str) -> str:
+    return f"{cluster_name}-checkpoints-"[:_BUCKET_PREFIX_MAX]
+
+
+class Storage(pulumi.ComponentResource):
+    bucket_name: pulumi.Output[str]
+    bucket_arn: pulumi.Output[str]
+    fsx_dns_name: pulumi.Output[str] | None
+    fsx_mount_name: pulumi.Output[str] | None
+
+    def __init__(self, ctx: ClusterContext, private_subnet_id: pulumi.Input[str],
+                 security_group_id: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None):
+        super().__init__(f"{COMPONENT_PREFIX}:Storage", ctx.resource_name("storage"), None, opts)
+        self._checkpoint_bucket(ctx)
+        self.fsx_dns_name = self.fsx_mount_name = None
+        if ctx.spec.storage.fsx.enabled:
+            self._lustre(ctx, private_subnet_id, security_group_id)
+        self.register_outputs({"bucket_name": self.bucket_name})
+
+    def _checkpoint_bucket(self, ctx: ClusterContext) -> None:
+        spec, child = ctx.spec, child_options(self)
+        days = spec.checkpoint_bucket.retention_days
+        name_args = ({"bucket": spec.checkpoint_bucket.name} if spec.checkpoint_bucket.name
+                     else {"bucket_prefix": bucket_prefix(spec.name)})
+        bucket = aws.s3.Bucket(ctx.resource_name("checkpoints"), **name_args,
+                               tags=ctx.tags_named("checkpoints"), opts=child)
+        aws.s3.BucketPublicAccessBlock(
+            ctx.resource_name("checkpoints"), bucket=bucket.id, block_public_acls=True,
+            block_public_policy=True, ignore_public_acls=True, restrict_public_buckets=True, opts=child)
+        aws.s3.BucketVersioning(
+            ctx.resource_name("checkpoints"), bucket=bucket.id,
+            versioning_configuration={"status": "Enabled"}, opts=child)
+        aws.s3.BucketServerSideEncryptionConfiguration(
+            ctx.resource_name("checkpoints"), bucket=bucket.id,
+            rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "AES256"},
+                    "bucket_key_enabled": True}], opts=child)
+        aws.s3.BucketLifecycleConfiguration(
+            ctx.resource_name("checkpoints"), bucket=bucket.id,
+            rules=[{
+                "id": f"expire-checkpoints-after-{days}-days",
+                "status": "Enabled",
+                "filter": {"prefix": ""},
+                "expiration": {"days": days},
+                "noncurrent_version_expiration": {"noncurrent_days": days},
+                # Interrupted multipart uploads of large shards are billed until aborted.
+                "abort_incomplete_multipart_upload": {"days_after_initiation": 1},
+            }], opts=child)
+        self.bucket_name = bucket.bucket
+        self.bucket_arn = bucket.arn
+
+    def _lustre(self, ctx: ClusterContext, subnet_id: pulumi.Input[str],
+                security_group_id: pulumi.Input[str]) -> None:
+        fsx, child = ctx.spec.storage.fsx, child_options(self)
+        persistent = fsx.deployment_type.startswith("PERSISTENT")
+        # PERSISTENT_2 links S3 through a data repository association; the older types take the
+        # import/export paths on the file system itself.
+        legacy_paths = {}
+        if fsx.deployment_type != "PERSISTENT_2" and fsx.s3_import_path:
+            legacy_paths = {"import_path": fsx.s3_import_path,
+                            "export_path": fsx.s3_export_path or fsx.s3_import_path}
+        lustre = aws.fsx.LustreFileSystem(
+            ctx.resource_name("fsx"),
+            deployment_type=fsx.deployment_type,
+            storage_capacity=fsx.capacity_gib,
+            per_unit_storage_throughput=fsx.throughput_per_tib if persistent else None,
+            file_system_type_version=LUSTRE_VERSION,
+            # pulumi-aws v7: a single subnet id (Lustre lives in one AZ), not a list.
+            subnet_ids=subnet_id,
+            security_group_ids=[security_group_id],
+            **legacy_paths,
+            tags=ctx.tags_named("fsx"), opts=child)
+        if fsx.deployment_type == "PERSISTENT_2" and fsx.s3_import_path:
+            events = ["NEW", "CHANGED", "DELETED"]
+            s3_policies = {"auto_import_policy": {"events": events}}
+            if fsx.s3_export_path:
+                s3_policies["auto_export_policy"] = {"events": events}
+            aws.fsx.DataRepositoryAssociation(
+                ctx.resource_name("fsx-s3"), file_system_id=lustre.id,
+                data_repository_path=fsx.s3_import_path, file_system_path="/",
+                batch_import_meta_data_on_create=True, s3=s3_policies,
+                tags=ctx.tags_named("fsx-s3"), opts=child)
+        self.fsx_dns_name = lustre.dns_name
+        self.fsx_mount_name = lustre.mount_name

@@ -1,0 +1,124 @@
+"""The Pulumi program: one cluster spec in, the cluster's AWS resources and stack outputs out.
+
+`build_cluster(spec, expires_at)` assembles the components (infra/components/) in dependency order
+and returns the stack outputs (the contract `infra.aws.stack` reads after `pulumi up`). `run_stack()`
+is what `pulumi up` runs (infra/__main__.py): it reads the stack config `fsdp-cluster:cluster` (the
+spec as an object) and `fsdp-cluster:expiresAt` (ISO 8601 UTC, pinned by `fsdpctl up` at first
+creation so the expiry does not move on every update). The same `build_cluster` runs under Pulumi's
+mocks for `fsdpctl plan` (infra/plan.py) and the tests.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.components.compute import Compute
+from infra.components.context import ClusterContext
+from infra.components.expiry import Expiry
+from infra.components.identity import Identity
+from infra.components.network import Network
+from infra.components.security import Security
+from infra.components.storage import Storage
+from infra.spec import PULUMI_CONFIG_KEY, ClusterSpec, Problem, SpecError, parse_spec
+
+PROJECT = "fsdp-cluster"
+EXPIRES_AT_KEY = f"{PROJECT}:expiresAt"
+OUTPUT_NAMES = (
+    "nodes", "bastion_public_ip", "ssh_user", "checkpoint_bucket", "fsx_dns_name", "fsx_mount_name",
+    "placement_group", "security_group_id", "vpc_id", "private_subnet_id", "ami_id", "key_name",
+)
+
+
+def parse_expires_at(value: str | None, spec: ClusterSpec) -> datetime | None:
+    """The pinned expiry time, or None when the spec disables expiry. Bad or missing values raise
+    SpecError (before anything is registered)."""
+    if spec.expiry_hours is None:
+        return None
+    if not value:
+        example = datetime.now(UTC).replace(microsecond=0, second=0)
+        raise SpecError([Problem(
+            EXPIRES_AT_KEY, value, f"is required because expiry_hours is {spec.expiry_hours}",
+            "run `fsdpctl up` (it pins the time), or `pulumi config set fsdp-cluster:expiresAt "
+            f"{example.isoformat().replace('+00:00', 'Z')}` with now + expiry_hours")], "stack config")
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        when = None
+    if when is None or when.tzinfo is None or when.utcoffset().total_seconds() != 0:
+        raise SpecError([Problem(
+            EXPIRES_AT_KEY, value, "is not an ISO 8601 UTC time",
+            "use the form 2026-12-03T13:00:00Z")], "stack config")
+    return when
+
+
+def expiry_time(spec: ClusterSpec, now: datetime | None = None) -> str | None:
+    """The expiry time a new cluster gets: now + expiry_hours, as ISO 8601 UTC ('...Z')."""
+    if spec.expiry_hours is None:
+        return None
+    start = (now or datetime.now(UTC)).astimezone(UTC).replace(microsecond=0)
+    return (start + timedelta(hours=spec.expiry_hours)).isoformat().replace("+00:00", "Z")
+
+
+def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
+    """Register every resource of the cluster and return the stack outputs (Outputs and plain
+    values), keyed as OUTPUT_NAMES."""
+    expiry = parse_expires_at(expires_at, spec)
+    provider = aws.Provider(f"{spec.name}-aws", region=spec.region)
+    ctx = ClusterContext(spec=spec, expires_at=expires_at if expiry else None, provider=provider)
+    opts = pulumi.ResourceOptions(providers=[provider])
+
+    network = Network(ctx, opts=opts)
+    security = Security(ctx, network.vpc_id, opts=opts)
+    storage = Storage(ctx, network.private_subnet_id, security.node_security_group_id, opts=opts)
+    identity = Identity(ctx, storage.bucket_arn, opts=opts)
+    compute = Compute(
+        ctx, private_subnet_id=network.private_subnet_id, public_subnet_id=network.public_subnet_id,
+        node_security_group_id=security.node_security_group_id,
+        bastion_security_group_id=security.bastion_security_group_id,
+        instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name, opts=opts)
+    if expiry is not None:
+        Expiry(ctx, expiry, [node.id for node in compute.nodes], opts=opts)
+
+    nodes = pulumi.Output.all(*[pulumi.Output.all(n.id, n.private_ip) for n in compute.nodes]).apply(
+        lambda pairs: [
+            {"rank": rank, "name": spec.node_name(rank), "instance_id": instance_id,
+             "private_ip": private_ip, "efa_count": compute.efa_count}
+            for rank, (instance_id, private_ip) in enumerate(pairs)
+        ])
+    return {
+        "nodes": nodes,
+        "bastion_public_ip": compute.bastion_public_ip,
+        "ssh_user": spec.access.ssh_user,
+        "checkpoint_bucket": storage.bucket_name,
+        "fsx_dns_name": storage.fsx_dns_name,
+        "fsx_mount_name": storage.fsx_mount_name,
+        "placement_group": compute.placement_group_name,
+        "security_group_id": security.node_security_group_id,
+        "vpc_id": network.vpc_id,
+        "private_subnet_id": network.private_subnet_id,
+        "ami_id": compute.ami_id,
+        "key_name": identity.key_name,
+    }
+
+
+def node_urn(stack: str, spec: ClusterSpec, rank: int) -> str:
+    """The URN of a node's instance, for `pulumi up --replace` (fsdpctl replace RANK)."""
+    return (f"urn:pulumi:{stack}::{PROJECT}::fsdp-cluster:index:Compute$aws:ec2/instance:Instance::"
+            f"{spec.node_name(rank)}")
+
+
+def run_stack() -> None:
+    """The body of infra/__main__.py: config -> spec -> resources -> stack outputs."""
+    config = pulumi.Config(PROJECT)
+    try:
+        spec = parse_spec(config.require_object("cluster"), source=f"stack config {PULUMI_CONFIG_KEY}")
+        outputs = build_cluster(spec, config.get("expiresAt"))
+    except SpecError as e:
+        # A clean error listing every problem, instead of a Python traceback.
+        raise pulumi.RunError(str(e)) from None
+    for name in OUTPUT_NAMES:
+        pulumi.export(name, outputs[name])
