@@ -1,0 +1,363 @@
+"""The trainer's typed configuration: one pydantic model, loaded from a YAML file (or a shipped
+config name), then `--set key=value` overrides, then the plain command-line flags.
+
+Bad input raises `ConfigError` listing every problem at once, each naming the key, the value and the
+fix. Checks that need the launch (world size, GPUs per node) live in `derive_layout`, which runs
+before any process group or tensor exists.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from infra.spec import Problem, SpecError
+from trainer.checkpoint import CheckpointConfig
+
+SHIPPED_CONFIG_DIR = Path(__file__).parent / "configs"
+DOCS = "docs/trainer.md"
+
+
+class ConfigError(SpecError):
+    """Every problem of a trainer config, each with key, value and fix."""
+
+    def __init__(self, problems: list[Problem], source: str = "trainer config"):
+        super().__init__(problems, source)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Strategy(StrEnum):
+    """The FSDP1 names users know, mapped onto FSDP2 (see docs/trainer.md)."""
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    NO_SHARD = "NO_SHARD"
+
+
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+class ModelConfig(_Section):
+    """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU)."""
+
+    vocab_size: int = Field(default=32000, ge=2)
+    dim: int = Field(default=2048, ge=8)
+    n_layers: int = Field(default=16, ge=1)
+    n_heads: int = Field(default=16, ge=1)
+    # Grouped-query attention: fewer key/value heads than query heads; empty means n_heads.
+    n_kv_heads: int | None = Field(default=None, ge=1)
+    ffn_dim: int = Field(default=5632, ge=1)
+    max_seq_len: int = Field(default=2048, ge=2)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    init_std: float = Field(default=0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> ModelConfig:
+        problems = []
+        if self.dim % self.n_heads:
+            problems.append(Problem("model.dim", self.dim,
+                                    f"is not divisible by model.n_heads={self.n_heads}",
+                                    "choose dim = n_heads * head_dim (e.g. 128 per head)"))
+        elif (self.dim // self.n_heads) % 2:
+            problems.append(Problem("model.n_heads", self.n_heads,
+                                    f"gives an odd head size {self.dim // self.n_heads} (rotary embeddings "
+                                    "rotate pairs)", "choose n_heads so that dim / n_heads is even"))
+        kv = self.kv_heads
+        if self.n_heads % kv:
+            problems.append(Problem("model.n_kv_heads", kv, f"does not divide model.n_heads={self.n_heads}",
+                                    "use a divisor of n_heads (or leave it empty for n_heads)"))
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count from the sizes alone (tests check it against the built model)."""
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.kv_heads)
+        feed_forward = 3 * self.dim * self.ffn_dim
+        per_layer = attention + feed_forward + 2 * self.dim
+        # Input embedding, final norm, untied output projection.
+        return self.n_layers * per_layer + self.embedding_params + self.dim + self.dim * self.vocab_size
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: the matmul FLOPs of the
+        non-embedding parameters plus the attention score/value products."""
+        attention = 6 * self.n_layers * self.n_heads * (2 * self.head_dim) * seq_len
+        return 6 * (self.num_params - self.embedding_params) + attention
+
+
+class ParallelConfig(_Section):
+    strategy: Strategy = Strategy.FULL_SHARD
+    # Ranks in one shard group (HYBRID_SHARD): empty means the local ranks of a node (GPUs per node).
+    sharding_degree: int | None = Field(default=None, ge=1)
+    # Compute dtype of the all-gathered parameters; the sharded master copy stays fp32.
+    param_dtype: DType = "fp32"
+    # Dtype of the gradient reduce-scatter/all-reduce. bf16 halves the gradient traffic of fp32:
+    # the "gradient compression" option (docs/trainer.md).
+    reduce_dtype: DType = "fp32"
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _precision(self) -> ParallelConfig:
+        if self.reduce_dtype == "fp16":
+            raise ConfigError([Problem("parallel.reduce_dtype", "fp16",
+                                       "overflows when gradients are summed across ranks",
+                                       "use fp32 (exact) or bf16 (half the traffic, fp32 range)")])
+        return self
+
+
+class OptimConfig(_Section):
+    lr: float = Field(default=1e-5, gt=0)
+    # Fraction of lr the cosine schedule decays to at the last step.
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: int = Field(default=500, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    # Clip the global gradient norm to this; empty disables clipping (the norm is still logged).
+    grad_clip: float | None = Field(default=1.0, gt=0)
+
+
+class TrainingConfig(_Section):
+    steps: int = Field(default=10000, ge=1)
+    # Sequences per optimizer step over all ranks and micro-batches.
+    global_batch_size: int = Field(default=4096, ge=1)
+    gradient_accumulation: int = Field(default=16, ge=1)
+    # Sequences per rank per micro-batch; empty means global_batch_size / (accumulation * ranks).
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    seed: int = Field(default=0, ge=0)
+
+
+class DataConfig(_Section):
+    # synthetic: a deterministic, learnable token stream; tokens: memory-mapped token files made by
+    # `python -m trainer.data build`.
+    source: Literal["synthetic", "tokens"] = "synthetic"
+    path: str | None = None
+    seq_len: int = Field(default=2048, ge=2)
+    # Batches staged on the device ahead of the step.
+    prefetch: int = Field(default=2, ge=1)
+
+
+class MetricsConfig(_Section):
+    file: str | None = None
+    # Progress lines on stderr every N steps (rank 0).
+    log_interval: int = Field(default=1, ge=1)
+    # Dense bf16 peak FLOP/s of one device for MFU; empty means look it up by device name.
+    peak_flops: float | None = Field(default=None, gt=0)
+
+
+class DistributedConfig(_Section):
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    # Collective time-out: a hung rank fails the job after this instead of hanging it.
+    timeout_s: int = Field(default=900, ge=30)
+
+
+class TrainConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    optim: OptimConfig = OptimConfig()
+    training: TrainingConfig = TrainingConfig()
+    data: DataConfig = DataConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> TrainConfig:
+        problems = []
+        if self.data.seq_len > self.model.max_seq_len:
+            problems.append(Problem("data.seq_len", self.data.seq_len,
+                                    f"is longer than model.max_seq_len={self.model.max_seq_len}",
+                                    "shorten data.seq_len or raise model.max_seq_len"))
+        if self.data.source == "tokens" and not self.data.path:
+            problems.append(Problem("data.path", None, "is required when data.source is tokens",
+                                    "point it at a .bin file or a directory of them "
+                                    "(make them with `python -m trainer.data build`)"))
+        if self.training.global_batch_size % self.training.gradient_accumulation:
+            problems.append(Problem("training.global_batch_size", self.training.global_batch_size,
+                                    "is not divisible by training.gradient_accumulation="
+                                    f"{self.training.gradient_accumulation}",
+                                    "make global_batch_size a multiple of gradient_accumulation"))
+        if self.parallel.param_dtype == "fp16" and self.parallel.reduce_dtype == "bf16":
+            problems.append(Problem("parallel.reduce_dtype", "bf16", "mixes with fp16 parameters",
+                                    "use reduce_dtype fp32 with fp16 parameters"))
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks of one launch are arranged: the device mesh and the per-rank batch."""
+
+    world_size: int
+    replicate: int  # data-parallel replicas that each hold a full copy of the shards
+    shard: int  # ranks that split one copy of the parameters
+    micro_batch_size: int
+
+
+def derive_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> Layout:
+    """The mesh and micro-batch for a launch, or ConfigError for meshes that cannot work."""
+    problems = []
+    par = cfg.parallel
+    if par.strategy is Strategy.HYBRID_SHARD:
+        shard = par.sharding_degree or local_world_size
+        if shard == 1:
+            # FSDP1 silently stops syncing gradients in this configuration; refuse it outright.
+            problems.append(Problem("parallel.sharding_degree", shard,
+                                    "gives HYBRID_SHARD a shard group of one rank (nothing is sharded)",
+                                    "use NO_SHARD to replicate, or a sharding_degree >= 2 "
+                                    "(default: the ranks per node)"))
+        elif world_size % shard:
+            problems.append(Problem("parallel.sharding_degree", shard,
+                                    f"does not divide the world size {world_size}",
+                                    f"use a divisor of {world_size} (ranks per node: {local_world_size})"))
+        replicate = world_size // shard if shard else world_size
+    elif par.strategy is Strategy.NO_SHARD:
+        replicate, shard = world_size, 1
+    else:
+        if par.sharding_degree not in (None, world_size):
+            problems.append(Problem("parallel.sharding_degree", par.sharding_degree,
+                                    f"only applies to HYBRID_SHARD ({par.strategy} shards over all "
+                                    f"{world_size} ranks)", "remove it, or use strategy HYBRID_SHARD"))
+        replicate, shard = 1, world_size
+    tr = cfg.training
+    per_micro_step = tr.global_batch_size // tr.gradient_accumulation
+    micro = tr.micro_batch_size
+    if micro is None:
+        if per_micro_step % world_size:
+            problems.append(Problem("training.global_batch_size", tr.global_batch_size,
+                                    f"does not split evenly: {tr.global_batch_size} / "
+                                    f"{tr.gradient_accumulation} accumulation steps / {world_size} ranks",
+                                    f"make it a multiple of {tr.gradient_accumulation * world_size}"))
+        micro = max(1, per_micro_step // world_size)
+    elif micro * world_size * tr.gradient_accumulation != tr.global_batch_size:
+        problems.append(Problem("training.micro_batch_size", micro,
+                                f"x {world_size} ranks x {tr.gradient_accumulation} accumulation steps "
+                                f"is {micro * world_size * tr.gradient_accumulation}, not "
+                                f"training.global_batch_size={tr.global_batch_size}",
+                                "leave micro_batch_size empty to derive it, or make the product match"))
+    if problems:
+        raise ConfigError(problems, "launch")
+    return Layout(world_size, replicate, shard, micro)
+
+
+def resolve_config(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_CONFIG_DIR / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    names = ", ".join(shipped_config_names())
+    raise ConfigError([Problem("--config", name_or_path, "is neither a file nor a shipped config",
+                               f"pass a YAML path or one of: {names}")])
+
+
+def shipped_config_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_CONFIG_DIR.glob("*.yaml"))
+
+
+def _assign(data: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([Problem(key, value, f"goes below `{part}`, which is a value, not a section",
+                                       f"set `{part}` itself, or check the key in {DOCS}")])
+        node = child
+    node[leaf] = value
+
+
+def _parse_assignment(assignment: str) -> tuple[str, Any]:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([Problem("--set", assignment, "is not key=value",
+                                   "write e.g. --set optim.lr=3e-4 --set parallel.strategy=HYBRID_SHARD")])
+    # YAML typing, so numbers, booleans and null arrive as they would from the file.
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, info in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _known_keys(ann, f"{prefix}{name}.")
+    return keys
+
+
+def _problems_from_validation(err: ValidationError) -> list[Problem]:
+    problems = []
+    known = _known_keys(TrainConfig)
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(config)"
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, SpecError):
+            problems.extend(ctx_err.problems)
+        elif e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, known, n=1)
+            fix = f"did you mean `{close[0]}`?" if close else f"remove it; the keys are listed in {DOCS}"
+            problems.append(Problem(key, e.get("input"), "is not a known key", fix))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            problems.append(Problem(key, e.get("input"), msg, f"give a valid value (see {DOCS})"))
+    return problems
+
+
+def parse_config(data: dict[str, Any], source: str = "trainer config") -> TrainConfig:
+    if not isinstance(data, dict):
+        raise ConfigError([Problem("(config)", data, "must be a mapping of sections",
+                                   "write YAML sections: model, parallel, optim, training, data, ...")],
+                          source)
+    try:
+        return TrainConfig.model_validate(data)
+    except SpecError as e:
+        raise ConfigError(e.problems, source) from None
+    except ValidationError as e:
+        raise ConfigError(_problems_from_validation(e), source) from None
+
+
+def load_config(name_or_path: str, overrides: list[str] = (), values: dict[str, Any] | None = None
+                ) -> TrainConfig:
+    """A shipped config name or YAML path, then `key=value` overrides (YAML-typed) in order, then
+    already-typed `values` (the plain command-line flags)."""
+    path = resolve_config(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError([Problem("(file)", str(path), f"is not valid YAML: {e}", "fix the YAML syntax")],
+                          str(path)) from None
+    for assignment in overrides:
+        _assign(data, *_parse_assignment(assignment))
+    for key, value in (values or {}).items():
+        _assign(data, key, value)
+    return parse_config(data, str(path))

@@ -1,0 +1,69 @@
+"""Process group and device for one rank: CUDA + NCCL when GPUs exist, CPU + gloo otherwise, through
+the same code path. Reads the variables torchrun sets; without them the process is a world of one."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import DistributedConfig
+
+
+@dataclass(frozen=True)
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    device: torch.device
+    backend: str
+    hostname: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def init_distributed(cfg: DistributedConfig) -> Runtime:
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("distributed.device is cuda but no CUDA device is visible to this process; "
+                               "use distributed.device=auto (falls back to CPU + gloo) or check the driver")
+        # A failed NCCL collective aborts the communicator and raises, instead of hanging the job.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=cfg.timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if use_cuda else None)
+    else:
+        # Not launched by torchrun: a world of one, so training still runs through FSDP2 unchanged.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return Runtime(rank, world_size, local_rank, local_world_size, _env_int("GROUP_RANK", 0), device,
+                   backend, socket.gethostname())
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
