@@ -1,0 +1,92 @@
+"""Helpers for the local-target tests: real systemd-nspawn nodes on 198.18.1.0/24, one FSDPCTL_HOME per
+module, and an independent look at the host for anything a cluster left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.local.host import missing_commands
+
+REPO = Path(__file__).resolve().parents[2]
+SUBNET = "198.18.1.0/24"  # this area's subnet; other areas' tests use other ones
+
+
+def spec_file(directory: Path, name: str, *, node_count: int = 2, **overrides) -> Path:
+    spec = {"name": name, "region": "us-east-1", "availability_zone": "us-east-1b",
+            "instance_type": "p4d.24xlarge", "node_count": node_count, "ssh_cidr": "203.0.113.0/24",
+            "local": {"subnet_cidr": SUBNET}, **overrides}
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def fsdpctl(home: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run the real CLI (the venv's `fsdpctl` script) in a subprocess, as a user would."""
+    result = subprocess.run([str(Path(sys.executable).parent / "fsdpctl"), *args], cwd=REPO,
+                            capture_output=True,
+                            text=True, timeout=timeout,
+                            env={**os.environ, "FSDPCTL_HOME": str(home), **(env or {})})
+    if check and result.returncode:
+        raise AssertionError(f"fsdpctl {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n"
+                             f"{result.stderr}")
+    return result
+
+
+def require_local_prerequisites() -> None:
+    """Fail (under CI) or skip (elsewhere) when this host cannot run local nodes."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("not root")
+    missing = missing_commands()
+    if missing:
+        problems.append("missing commands: " + ", ".join(f"{c} ({p})" for c, p in missing.items()))
+    if problems:
+        message = ("local nodes need root and systemd-nspawn, debootstrap, zstd, ssh, ip: "
+                   + "; ".join(problems) + " (make host-packages installs them)")
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def prerequisites() -> None:
+    require_local_prerequisites()
+
+
+def read_state(home: Path, name: str) -> dict:
+    return json.loads((home / "clusters" / name / "state.json").read_text())
+
+
+def host_leftovers(home: Path, local: dict) -> list[str]:
+    """What of a cluster (its `local` state record) still exists, checked without the product's code:
+    processes running from the home dir or inside the nodes, links, mounts, state files."""
+    found = []
+    uuids = [f"container_uuid={n['machine_id'][:8]}-" for n in local["nodes"]]
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if str(home) in cmdline or any(u in environ for u in uuids):
+            found.append(f"process {entry}: {cmdline[:100]}")
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    for name in [local["bridge"], *(n["veth"] for n in local["nodes"])]:
+        if f" {name}:" in links or f" {name}@" in links:
+            found.append(f"link {name}")
+    found += [f"mount {line.split()[1]}" for line in Path("/proc/mounts").read_text().splitlines()
+              if str(home) in line]
+    found += [f"nspawn runtime dir {n['machine']}" for n in local["nodes"]
+              if Path("/run/systemd/nspawn/propagate", n["machine"]).exists()]
+    clusters = home / "clusters"
+    if clusters.exists():
+        found += [f"state dir {p}" for p in clusters.iterdir()]
+    return found

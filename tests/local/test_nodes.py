@@ -1,0 +1,155 @@
+"""Two real local nodes, booted once for the module: identity, network, isolation, SSH helpers, the
+lifecycle commands around them, and a teardown that leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from infra import remote
+from infra.state import cluster_state
+from tests.local.conftest import fsdpctl, host_leftovers, read_state, spec_file
+
+pytestmark = pytest.mark.root
+
+NAME = "lnt-nodes"
+
+
+@pytest.fixture(scope="module")
+def cluster(prerequisites, tmp_path_factory):
+    """(home, spec path) of a 2-node cluster that is up for the module and down afterwards."""
+    home = tmp_path_factory.mktemp("home")
+    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME)
+    try:
+        up = fsdpctl(home, "up", str(spec), "--target", "local")
+        assert "2 node(s) up" in up.stdout
+        yield home, spec
+    finally:
+        fsdpctl(home, "down", "--cluster", NAME, check=False)
+
+
+@pytest.fixture
+def state(cluster, monkeypatch):
+    home, _ = cluster
+    monkeypatch.setenv("FSDPCTL_HOME", str(home))
+    return cluster_state(NAME)
+
+
+def test_state_records_nodes_ssh_and_shared_dir(cluster):
+    home, _ = cluster
+    data = read_state(home, NAME)
+    assert data["target"] == "local"
+    assert [(n["rank"], n["name"], n["address"]) for n in data["nodes"]] == [
+        (0, f"{NAME}-node0", "198.18.1.2"), (1, f"{NAME}-node1", "198.18.1.3")]
+    assert data["ssh"]["user"] == "root" and data["ssh"]["proxy_jump"] is None
+    assert data["shared_dir"] == "/shared"
+
+
+def test_each_node_has_its_own_identity(state):
+    results = remote.run_all(state, "hostname; cat /etc/machine-id; "
+                                    "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub; "
+                                    "ip -4 -o addr show dev eth0; systemctl is-system-running", timeout=60)
+    lines = {rank: r.stdout.splitlines() for rank, r in results.items()}
+    assert [lines[r][0] for r in (0, 1)] == [f"{NAME}-node0", f"{NAME}-node1"]
+    assert lines[0][1] != lines[1][1], "machine-ids must differ"
+    assert lines[0][2].split()[1] != lines[1][2].split()[1], "host keys must differ"
+    assert "198.18.1.2/24" in lines[0][3] and "198.18.1.3/24" in lines[1][3]
+    assert [lines[r][4] for r in (0, 1)] == ["running", "running"]
+
+
+def test_bridge_allows_jumbo_frames_once_eth0_is_raised(state):
+    bridge = state.read()["local"]["bridge"]
+    assert Path(f"/sys/class/net/{bridge}/mtu").read_text().strip() == "9000"
+    # eth0 starts at 1500: raising it is the playbook's job, which the bridge must permit.
+    assert remote.run(state, 0, "cat /sys/class/net/eth0/mtu").stdout.strip() == "1500"
+
+
+def test_shared_dir_is_the_same_on_every_node(state):
+    remote.run(state, 0, "echo written-on-node0 > /shared/probe")
+    assert remote.run(state, 1, "cat /shared/probe").stdout.strip() == "written-on-node0"
+    host_dir = state.read()["local"]["shared_host_dir"]
+    assert Path(f"{host_dir}/probe").read_text().strip() == "written-on-node0"
+
+
+def test_nodes_reach_each_other_but_nothing_beyond_the_bridge(state):
+    assert remote.run(state, 0, "ping -c1 -W5 198.18.1.3").returncode == 0
+    # 198.18.7.9 is in the benchmark range but not on this bridge: the only route to it is the
+    # dead-end gateway, so the connection attempt must fail without any packet leaving the bridge.
+    route = remote.run(state, 0, "ip route get 198.18.7.9").stdout
+    assert "via 198.18.1.254 dev eth0" in route
+    probe = remote.run(state, 0, "timeout 5 bash -c 'exec 3<>/dev/tcp/198.18.7.9/22' && echo connected",
+                       check=False)
+    assert probe.returncode != 0 and "connected" not in probe.stdout
+    bridge = state.read()["local"]["bridge"]
+    assert Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding").read_text().strip() == "0"
+
+
+def test_fsdpctl_ssh_runs_a_command_and_returns_its_status(cluster):
+    home, _ = cluster
+    out = fsdpctl(home, "ssh", "1", "--", "hostname")
+    assert out.stdout.strip() == f"{NAME}-node1"
+    failed = fsdpctl(home, "ssh", "0", "--", "exit 3", check=False)
+    assert failed.returncode == 3
+    missing = fsdpctl(home, "ssh", "7", "--", "true", check=False)
+    assert missing.returncode == 2 and "no node with rank 7" in missing.stderr
+
+
+def test_copy_to_and_popen(state, tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub/file.txt").write_text("tree file\n")
+    single = tmp_path / "run.sh"
+    single.write_text("#!/bin/sh\necho ran\n")
+    single.chmod(0o755)
+    remote.copy_to(state, 1, tree, "/opt/copied")
+    remote.copy_to(state, 1, single, "/opt/bin/run.sh")
+    out = remote.run(state, 1, "cat /opt/copied/sub/file.txt && /opt/bin/run.sh").stdout
+    assert out.splitlines() == ["tree file", "ran"]
+    proc = remote.popen(state, 0, "echo started; sleep 0.2; echo done", stdout=subprocess.PIPE, text=True)
+    assert proc.communicate(timeout=60)[0].splitlines() == ["started", "done"]
+
+
+def test_run_reports_failures_and_timeouts_per_node(state):
+    with pytest.raises(remote.RemoteCommandFailed, match=f"{NAME}-node1.*exited 4"):
+        remote.run_all(state, "exit $(( $(hostname | tail -c 2) * 4 ))")
+    slow = remote.run(state, 0, "sleep 30", timeout=2, check=False)
+    assert slow.returncode == remote.TIMEOUT_RC and "timed out" in slow.stderr
+
+
+def test_up_again_is_a_no_op_or_a_clear_error(cluster, tmp_path):
+    home, spec = cluster
+    again = fsdpctl(home, "up", str(spec), "--target", "local")
+    assert "already up" in again.stdout
+    bigger = fsdpctl(home, "up", str(spec), "--target", "local", "--nodes", "3", check=False)
+    assert bigger.returncode == 2
+    assert "already exists and differs" in bigger.stderr and "fsdpctl down --cluster" in bigger.stderr
+
+
+def test_exclude_removes_the_node_from_inventory_and_later_stages(cluster, state):
+    home, _ = cluster
+    fsdpctl(home, "exclude", "1", "--reason", "flaky NIC in test")
+    try:
+        entry = read_state(home, NAME)["excluded"][0]
+        assert entry["rank"] == 1 and entry["reason"] == "flaky NIC in test" and entry["time"]
+        inventory = json.loads(fsdpctl(home, "inventory", "--format", "json").stdout)
+        assert list(inventory["all"]["children"]["nodes"]["hosts"]) == [f"{NAME}-node0"]
+        assert list(remote.run_all(state, "true")) == [0]
+        status = fsdpctl(home, "status").stdout
+        assert "excluded: flaky NIC in test" in status and "every node answers over SSH" in status
+    finally:
+        state.update(excluded=[])
+
+
+def test_down_leaves_nothing_behind_and_is_safe_twice(cluster):
+    """Last in the module: it takes the module's cluster down."""
+    home, _ = cluster
+    local = read_state(home, NAME)["local"]
+    down = fsdpctl(home, "down")
+    assert "is down" in down.stdout
+    assert host_leftovers(home, local) == []
+    assert not (home / "current").exists()
+    again = fsdpctl(home, "down")
+    assert "nothing to tear down" in again.stdout
