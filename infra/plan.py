@@ -15,6 +15,7 @@ import json
 import re
 import sys
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from importlib import resources
@@ -23,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from infra.spec import RANK_TAG, ClusterSpec, load_spec
+from infra.spec import RANK_TAG, ClusterSpec, load_spec, parse_spec
 
 STALE_PRICES_DAYS = 180
 
@@ -158,28 +159,37 @@ def _component_of(urn: str) -> str | None:
     return chain[-2] if len(chain) > 1 else None
 
 
-def run_offline(spec: ClusterSpec, expires_at: str | None, project: str = "fsdp-cluster") -> OfflinePlan:
-    """Run the Pulumi program for `spec` under the recording mocks and return the graph and the
-    resolved stack outputs. Each call gets a fresh event loop and fresh mock settings."""
+def run_offline(
+    spec: ClusterSpec | Mapping[str, Any],
+    expires_at: str | None,
+    *,
+    mocks: RecordingMocks | None = None,
+    project: str = "fsdp-cluster",
+) -> OfflinePlan:
+    """Run the Pulumi program under the recording mocks; return the graph and the resolved stack
+    outputs. Given a raw mapping instead of a ClusterSpec, the program validates it itself, exactly
+    as `pulumi up` does with the stack config (SpecError before anything is registered). Each call
+    gets a fresh event loop and fresh mock settings."""
     import pulumi
     from pulumi.runtime.mocks import MockMonitor
 
-    from infra.program import build_cluster  # pulumi_aws is slow to import: only when planning
+    # pulumi_aws is slow to import: only when planning.
+    from infra.program import build_cluster, build_from_config
 
-    mocks = RecordingMocks()
+    mocks = mocks or RecordingMocks()
     monitor = MockMonitor(mocks)
-    plan = OfflinePlan(spec=spec, expires_at=expires_at, mocks=mocks)
+    outputs: dict[str, Any] = {}
+    if isinstance(spec, ClusterSpec):
+        stack, build = spec.name, lambda: build_cluster(spec, expires_at)
+    else:
+        stack, build = str(spec.get("name") or "stack"), lambda: build_from_config(spec, expires_at)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
         # preview=False: in preview every value the mock did not return is unknown and `apply`
         # callbacks (policies, schedule input, outputs) would silently not run.
-        pulumi.runtime.set_mocks(mocks, project=project, stack=spec.name, preview=False, monitor=monitor)
-
-        def program() -> Any:
-            return pulumi.Output.from_input(build_cluster(spec, expires_at)).apply(plan.outputs.update)
-
-        pulumi.runtime.test(program)()
+        pulumi.runtime.set_mocks(mocks, project=project, stack=stack, preview=False, monitor=monitor)
+        pulumi.runtime.test(lambda: pulumi.Output.from_input(build()).apply(outputs.update))()
     finally:
         asyncio.set_event_loop(None)
         loop.close()
@@ -188,7 +198,8 @@ def run_offline(spec: ClusterSpec, expires_at: str | None, project: str = "fsdp-
         components[(urn.split("::")[2].split("$")[-1], urn.rsplit("::", 1)[1])] = _component_of(urn)
     for record in mocks.registrations:
         record.component = components.get((record.type, record.name))
-    return plan
+    parsed = spec if isinstance(spec, ClusterSpec) else parse_spec(spec)
+    return OfflinePlan(spec=parsed, expires_at=expires_at, mocks=mocks, outputs=outputs)
 
 
 # ---- prices and cost --------------------------------------------------------------------------

@@ -111,12 +111,18 @@ def node_urn(stack: str, spec: ClusterSpec, rank: int) -> str:
             f"{spec.node_name(rank)}")
 
 
+def build_from_config(cluster: Any, expires_at: str | None) -> dict[str, Any]:
+    """Validate the stack config object into a spec, then build the cluster. Every problem is
+    raised as one SpecError before the first resource is registered."""
+    spec = parse_spec(cluster, source=f"stack config {PULUMI_CONFIG_KEY}")
+    return build_cluster(spec, expires_at)
+
+
 def run_stack() -> None:
     """The body of infra/__main__.py: config -> spec -> resources -> stack outputs."""
     config = pulumi.Config(PROJECT)
     try:
-        spec = parse_spec(config.require_object("cluster"), source=f"stack config {PULUMI_CONFIG_KEY}")
-        outputs = build_cluster(spec, config.get("expiresAt"))
+        outputs = build_from_config(config.require_object("cluster"), config.get("expiresAt"))
     except SpecError as e:
         # A clean error listing every problem, instead of a Python traceback.
         raise pulumi.RunError(str(e)) from None

@@ -1,0 +1,44 @@
+"""Shared fixtures: the spec as a dict, and the offline planner (infra.plan.run_offline, the product's
+own recording mocks) to run the Pulumi program for a variant of it.
+
+Every run sets fresh Pulumi mocks (preview=False) and a fresh event loop, and builds the program
+only after set_mocks. pulumi_aws is imported once per session (Python caches the module); a plan of
+a spec variant takes well under a second after that.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from infra.plan import OfflinePlan, run_offline
+from infra.spec import parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+EXPIRES_AT = "2026-12-03T13:00:00Z"
+
+
+def demo_data(**overrides: Any) -> dict[str, Any]:
+    """examples/demo.yaml as a dict, with top-level fields replaced (nested dicts merged one level)."""
+    data = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = copy.deepcopy(value)
+    return data
+
+
+def plan_of(expires_at: str | None = EXPIRES_AT, **overrides: Any) -> OfflinePlan:
+    spec = parse_spec(demo_data(**overrides))
+    return run_offline(spec, expires_at if spec.expiry_hours else None)
+
+
+@pytest.fixture(scope="module")
+def demo_plan() -> OfflinePlan:
+    """The demo spec (4 x p4d, every default), planned once per module; tests only read it."""
+    return plan_of()

@@ -1,0 +1,197 @@
+"""Whole-graph properties of the program, checked on several spec variants, and the stack outputs."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infra.program import OUTPUT_NAMES
+from infra.spec import CLUSTER_TAG, EXPIRES_TAG
+from tests.infra.conftest import EXPIRES_AT, REPO, demo_data, plan_of
+
+VARIANTS = {
+    "demo": {},
+    "p5-fsx-spot-key": {
+        "instance_type": "p5.48xlarge", "node_count": 2, "capacity": {"type": "spot"},
+        "access": {"public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDemoKey operator@laptop"},
+        "storage": {"fsx": {"enabled": True, "s3_import_path": "s3://acme-data/tokens"}},
+        "tags": {"team": "llm"}},
+    "existing-vpc-reservation": {
+        "network": {"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0priv",
+                    "public_subnet_id": "subnet-0pub"},
+        "capacity": {"type": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0"}},
+    "ssm-only": {"access": {"bastion": False}, "node_count": 1},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request):
+    return request.param, plan_of(**VARIANTS[request.param])
+
+
+def _is_taggable(resource_type: str) -> bool:
+    """Whether the pulumi_aws resource class takes tags (e.g. aws:ec2/vpc:Vpc -> pulumi_aws.ec2.Vpc)."""
+    if not resource_type.startswith("aws:"):
+        return False
+    module, cls = resource_type.split(":")[1].split("/")[0], resource_type.split(":")[2]
+    resource_class = getattr(importlib.import_module(f"pulumi_aws.{module}"), cls)
+    return "tags" in inspect.signature(resource_class._internal_init).parameters
+
+
+EXPECTED_DEMO_COUNTS = {
+    "pulumi:providers:aws": 1,
+    "aws:ec2/vpc:Vpc": 1, "aws:ec2/subnet:Subnet": 2, "aws:ec2/internetGateway:InternetGateway": 1,
+    "aws:ec2/eip:Eip": 1, "aws:ec2/natGateway:NatGateway": 1, "aws:ec2/routeTable:RouteTable": 2,
+    "aws:ec2/routeTableAssociation:RouteTableAssociation": 2, "aws:ec2/vpcEndpoint:VpcEndpoint": 1,
+    "aws:ec2/securityGroup:SecurityGroup": 2,
+    "aws:s3/bucket:Bucket": 1, "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock": 1,
+    "aws:s3/bucketVersioning:BucketVersioning": 1,
+    "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration": 1,
+    "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration": 1,
+    "aws:iam/role:Role": 2, "aws:iam/rolePolicy:RolePolicy": 2,
+    "aws:iam/rolePolicyAttachment:RolePolicyAttachment": 1, "aws:iam/instanceProfile:InstanceProfile": 1,
+    "aws:ec2/placementGroup:PlacementGroup": 1, "aws:ec2/launchTemplate:LaunchTemplate": 1,
+    "aws:ec2/instance:Instance": 5,  # 4 nodes + the bastion
+    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 1,
+}
+
+
+def test_demo_resource_counts(demo_plan):
+    assert demo_plan.mocks.counts() == EXPECTED_DEMO_COUNTS
+
+
+def test_components_own_their_resources(demo_plan):
+    components = {r.component for r in demo_plan.mocks.resources if r.type != "pulumi:providers:aws"}
+    assert components == {f"fsdp-cluster:index:{c}" for c in
+                          ("Network", "Security", "Storage", "Identity", "Compute", "Expiry")}
+    by_name = {r.name: r.component for r in demo_plan.mocks.resources}
+    assert by_name["demo-node0"] == "fsdp-cluster:index:Compute"
+    assert by_name["demo-vpc"] == "fsdp-cluster:index:Network"
+
+
+def test_no_ingress_from_anywhere(variant):
+    _, plan = variant
+    for sg in plan.mocks.of_type("aws:ec2/securityGroup:SecurityGroup"):
+        for rule in sg.inputs.get("ingress") or []:
+            assert "0.0.0.0/0" not in (rule.get("cidrBlocks") or []), sg.name
+            assert "::/0" not in (rule.get("ipv6CidrBlocks") or []), sg.name
+
+
+def test_every_ebs_volume_is_encrypted(variant):
+    _, plan = variant
+    volumes = 0
+    for template in plan.mocks.of_type("aws:ec2/launchTemplate:LaunchTemplate"):
+        for mapping in template.inputs["blockDeviceMappings"]:
+            assert mapping["ebs"]["encrypted"] == "true"
+            volumes += 1
+    for instance in plan.mocks.of_type("aws:ec2/instance:Instance"):
+        assert "ebsBlockDevices" not in instance.inputs
+        if "rootBlockDevice" in instance.inputs:
+            assert instance.inputs["rootBlockDevice"]["encrypted"] is True
+            volumes += 1
+        else:
+            assert "launchTemplate" in instance.inputs
+    assert volumes >= 1
+
+
+def test_imdsv2_everywhere(variant):
+    _, plan = variant
+    for record in plan.mocks.of_type("aws:ec2/launchTemplate:LaunchTemplate"):
+        assert record.inputs["metadataOptions"]["httpTokens"] == "required"
+    for instance in plan.mocks.of_type("aws:ec2/instance:Instance"):
+        if "launchTemplate" not in instance.inputs:
+            assert instance.inputs["metadataOptions"]["httpTokens"] == "required"
+
+
+def test_every_taggable_resource_is_tagged(variant):
+    name, plan = variant
+    extra = VARIANTS[name].get("tags", {})
+    taggable = [r for r in plan.mocks.resources if _is_taggable(r.type)]
+    assert len(taggable) >= 8
+    for record in taggable:
+        assert record.tags.get(CLUSTER_TAG) == "demo", record.name
+        assert record.tags.get(EXPIRES_TAG) == EXPIRES_AT, record.name
+        assert extra.items() <= record.tags.items(), record.name
+
+
+def test_single_availability_zone(variant):
+    _, plan = variant
+    zones = {s.inputs["availabilityZone"] for s in plan.mocks.of_type("aws:ec2/subnet:Subnet")}
+    assert zones <= {"us-east-1b"}
+    subnets = {nic["subnetId"] for t in plan.mocks.of_type("aws:ec2/launchTemplate:LaunchTemplate")
+               for nic in t.inputs["networkInterfaces"]}
+    assert len(subnets) == 1  # every node interface in the one private subnet
+
+
+def test_stack_outputs(variant):
+    _, plan = variant
+    outputs = plan.outputs
+    assert set(outputs) == set(OUTPUT_NAMES)
+    spec = plan.spec
+    assert [n["rank"] for n in outputs["nodes"]] == list(range(spec.node_count))
+    for node in outputs["nodes"]:
+        assert set(node) == {"rank", "name", "instance_id", "private_ip", "efa_count"}
+        assert node["name"] == spec.node_name(node["rank"])
+        assert node["instance_id"] == f"<{node['name']}.id>"
+        assert node["private_ip"] == f"<{node['name']}.private_ip>"
+        assert node["efa_count"] == spec.instance.efa_interfaces
+    assert outputs["ssh_user"] == "ubuntu"
+    assert (outputs["bastion_public_ip"] is None) == (not spec.access.bastion)
+    assert outputs["security_group_id"] == "<demo-efa.id>"
+    assert outputs["checkpoint_bucket"]
+    json.dumps(outputs)  # plain data, as the Automation API returns it
+
+
+def _run_main_like_pulumi(tmp_path, cluster: dict) -> subprocess.CompletedProcess:
+    """Run infra/__main__.py the way the Pulumi language host does (the directory as a script, so
+    infra/ - not the repository root - is first on sys.path) with the stack config set, under the
+    recording mocks, in a fresh interpreter."""
+    script = tmp_path / "run_main.py"
+    script.write_text(f"""
+import asyncio, json, runpy, sys
+sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
+import pulumi
+from pulumi.runtime import settings
+from infra.plan import RecordingMocks
+asyncio.set_event_loop(asyncio.new_event_loop())
+pulumi.runtime.set_all_config({{
+    "fsdp-cluster:cluster": json.dumps({json.dumps(cluster)}),
+    "fsdp-cluster:expiresAt": {EXPIRES_AT!r},
+}})
+mocks = RecordingMocks()
+pulumi.runtime.set_mocks(mocks, project="fsdp-cluster", stack="demo", preview=False)
+try:
+    pulumi.runtime.test(lambda: runpy.run_path({str(REPO / 'infra')!r}, run_name="__main__"))()
+except Exception as e:
+    print("ERROR", type(e).__name__, str(e).replace(chr(10), " | "))
+print("EXPORTS", json.dumps(sorted(settings.get_root_resource().outputs)))
+print("REGISTERED", len(mocks.registrations))
+""")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_pulumi_runs_infra_main_with_the_stack_config(tmp_path):
+    result = _run_main_like_pulumi(tmp_path, demo_data())
+    assert "ERROR" not in result.stdout
+    exports = json.loads(result.stdout.split("EXPORTS ", 1)[1].splitlines()[0])
+    assert exports == sorted(OUTPUT_NAMES)
+    registered = int(result.stdout.split("REGISTERED ", 1)[1].split()[0])
+    assert registered == sum(EXPECTED_DEMO_COUNTS.values()) + 6  # + the six components
+
+
+def test_infra_main_reports_a_bad_config_as_a_clean_error_and_registers_nothing(tmp_path):
+    result = _run_main_like_pulumi(tmp_path, demo_data(node_count=0, network={"mtu": 12000}))
+    error = result.stdout.split("ERROR ", 1)[1].splitlines()[0]
+    assert error.startswith("RunError ")  # Pulumi prints a RunError's message without a traceback
+    assert "node_count" in error and "network.mtu" in error and "stack config fsdp-cluster:cluster" in error
+    assert "REGISTERED 0" in result.stdout

@@ -1,0 +1,378 @@
+"""The Pulumi program, resource by resource, run under the offline planner's recording mocks.
+
+Inputs are asserted as the AWS provider would receive them (engine camelCase names; numbers arrive
+as floats)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from infra.components.compute import efa_interface_layout
+from infra.components.network import subnet_cidrs
+from infra.spec import BASTION_SSM_PARAMETERS, CLUSTER_TAG, DEFAULT_DLAMI_PARAMETER, EXPIRES_TAG, RANK_TAG
+from tests.infra.conftest import EXPIRES_AT, plan_of
+
+VPC, SUBNET = "aws:ec2/vpc:Vpc", "aws:ec2/subnet:Subnet"
+SG, LT, INSTANCE = "aws:ec2/securityGroup:SecurityGroup", "aws:ec2/launchTemplate:LaunchTemplate", \
+    "aws:ec2/instance:Instance"
+PG = "aws:ec2/placementGroup:PlacementGroup"
+ROLE, POLICY = "aws:iam/role:Role", "aws:iam/rolePolicy:RolePolicy"
+RESERVATION = "cr-0123456789abcdef0"
+
+
+def nodes(plan):
+    return [r for r in plan.mocks.of_type(INSTANCE) if RANK_TAG in r.tags]
+
+
+def bastions(plan):
+    return [r for r in plan.mocks.of_type(INSTANCE) if RANK_TAG not in r.tags]
+
+
+# ---- network ----------------------------------------------------------------------------------
+def test_network_creates_vpc_subnets_gateways_routes_and_s3_endpoint(demo_plan):
+    m = demo_plan.mocks
+    vpc = m.one(VPC)
+    assert vpc.inputs["cidrBlock"] == "10.42.0.0/16"
+    assert vpc.inputs["enableDnsSupport"] and vpc.inputs["enableDnsHostnames"]
+    private, public = m.named("demo-private", SUBNET), m.named("demo-public", SUBNET)
+    assert (private.inputs["cidrBlock"], public.inputs["cidrBlock"]) == subnet_cidrs("10.42.0.0/16")
+    for subnet in (private, public):
+        assert subnet.inputs["vpcId"] == vpc.id
+        assert subnet.inputs["availabilityZone"] == "us-east-1b"
+        assert not subnet.inputs["mapPublicIpOnLaunch"]
+    igw = m.one("aws:ec2/internetGateway:InternetGateway")
+    nat = m.one("aws:ec2/natGateway:NatGateway")
+    eip = m.one("aws:ec2/eip:Eip")
+    assert nat.inputs["subnetId"] == public.id and nat.inputs["allocationId"] == f"<{eip.name}.allocation_id>"
+    public_rt, private_rt = m.named("demo-public-routes", "aws:ec2/routeTable:RouteTable"), \
+        m.named("demo-private-routes", "aws:ec2/routeTable:RouteTable")
+    assert public_rt.inputs["routes"] == [{"cidrBlock": "0.0.0.0/0", "gatewayId": igw.id}]
+    assert private_rt.inputs["routes"] == [{"cidrBlock": "0.0.0.0/0", "natGatewayId": nat.id}]
+    associations = {(a.inputs["subnetId"], a.inputs["routeTableId"])
+                    for a in m.of_type("aws:ec2/routeTableAssociation:RouteTableAssociation")}
+    assert associations == {(public.id, public_rt.id), (private.id, private_rt.id)}
+    endpoint = m.one("aws:ec2/vpcEndpoint:VpcEndpoint")
+    assert endpoint.inputs["serviceName"] == "com.amazonaws.us-east-1.s3"
+    assert endpoint.inputs["vpcEndpointType"] == "Gateway"
+    assert set(endpoint.inputs["routeTableIds"]) == {public_rt.id, private_rt.id}
+
+
+@pytest.mark.parametrize("vpc_cidr", ["10.42.0.0/16", "172.20.8.0/24"])
+def test_subnets_fit_in_the_vpc_without_overlap(vpc_cidr):
+    import ipaddress
+
+    vpc = ipaddress.ip_network(vpc_cidr)
+    private, public = map(ipaddress.ip_network, subnet_cidrs(vpc_cidr))
+    assert private.subnet_of(vpc) and public.subnet_of(vpc) and not private.overlaps(public)
+
+
+def test_existing_vpc_creates_no_network_and_uses_the_given_ids():
+    plan = plan_of(network={"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0priv",
+                            "public_subnet_id": "subnet-0pub"})
+    counts = plan.mocks.counts()
+    for typ in (VPC, SUBNET, "aws:ec2/natGateway:NatGateway", "aws:ec2/internetGateway:InternetGateway",
+                "aws:ec2/eip:Eip", "aws:ec2/vpcEndpoint:VpcEndpoint", "aws:ec2/routeTable:RouteTable"):
+        assert typ not in counts
+    assert {sg.inputs["vpcId"] for sg in plan.mocks.of_type(SG)} == {"vpc-0abc"}
+    template = plan.mocks.one(LT)
+    assert {nic["subnetId"] for nic in template.inputs["networkInterfaces"]} == {"subnet-0priv"}
+    assert bastions(plan)[0].inputs["subnetId"] == "subnet-0pub"
+    assert plan.outputs["vpc_id"] == "vpc-0abc" and plan.outputs["private_subnet_id"] == "subnet-0priv"
+
+
+# ---- security ---------------------------------------------------------------------------------
+def _rules(sg, direction):
+    return sg.inputs.get(direction) or []
+
+
+def test_efa_group_allows_all_traffic_to_itself_and_ssh_only_through_the_bastion(demo_plan):
+    m = demo_plan.mocks
+    efa, bastion = m.named("demo-efa", SG), m.named("demo-bastion", SG)
+    self_all = {"protocol": "-1", "fromPort": 0.0, "toPort": 0.0, "self": True}
+    assert any(self_all.items() <= rule.items() for rule in _rules(efa, "ingress"))
+    assert any(self_all.items() <= rule.items() for rule in _rules(efa, "egress"))
+    others = [rule for rule in _rules(efa, "ingress") if not rule.get("self")]
+    assert len(others) == 1
+    assert others[0]["protocol"] == "tcp" and others[0]["fromPort"] == others[0]["toPort"] == 22.0
+    assert others[0]["securityGroups"] == [bastion.id] and not others[0].get("cidrBlocks")
+    assert _rules(bastion, "ingress") == [
+        {"protocol": "tcp", "fromPort": 22.0, "toPort": 22.0, "cidrBlocks": ["203.0.113.0/24"],
+         "description": "SSH from the operator network"}]
+    assert demo_plan.outputs["security_group_id"] == efa.id
+
+
+def test_without_a_bastion_nodes_take_ssh_from_ssh_cidr_only():
+    plan = plan_of(access={"bastion": False})
+    assert len(plan.mocks.of_type(SG)) == 1 and bastions(plan) == []
+    ssh = [r for r in _rules(plan.mocks.one(SG), "ingress") if not r.get("self")]
+    assert [(r["fromPort"], r["cidrBlocks"]) for r in ssh] == [(22.0, ["203.0.113.0/24"])]
+    assert plan.outputs["bastion_public_ip"] is None
+
+
+# ---- placement group --------------------------------------------------------------------------
+def test_every_node_is_in_the_cluster_placement_group(demo_plan):
+    group = demo_plan.mocks.one(PG)
+    assert group.inputs["strategy"] == "cluster"
+    assert demo_plan.mocks.one(LT).inputs["placement"] == {"groupName": f"<{group.name}.name>"}
+    assert demo_plan.outputs["placement_group"] == f"<{group.name}.name>"
+
+
+@pytest.mark.parametrize("capacity_type", ["capacity-reservation", "capacity-block"])
+def test_reservations_skip_the_placement_group_and_target_the_reservation(capacity_type):
+    plan = plan_of(capacity={"type": capacity_type, "reservation_id": RESERVATION})
+    assert PG not in plan.mocks.counts()
+    inputs = plan.mocks.one(LT).inputs
+    assert "placement" not in inputs
+    assert inputs["capacityReservationSpecification"] == {
+        "capacityReservationTarget": {"capacityReservationId": RESERVATION}}
+    market = inputs.get("instanceMarketOptions")
+    assert market == ({"marketType": "capacity-block"} if capacity_type == "capacity-block" else None)
+    assert plan.outputs["placement_group"] is None
+    assert any("placement group" in w for w in plan.spec.warnings())
+
+
+def test_an_existing_placement_group_is_used_by_name_not_created():
+    plan = plan_of(capacity={"type": "capacity-block", "reservation_id": RESERVATION},
+                   placement_group={"existing_name": "reserved-pg"})
+    assert PG not in plan.mocks.counts()
+    assert plan.mocks.one(LT).inputs["placement"] == {"groupName": "reserved-pg"}
+    assert plan.outputs["placement_group"] == "reserved-pg"
+
+
+def test_placement_group_can_be_turned_off():
+    plan = plan_of(placement_group={"enabled": False})
+    assert PG not in plan.mocks.counts() and "placement" not in plan.mocks.one(LT).inputs
+
+
+# ---- launch template --------------------------------------------------------------------------
+@pytest.mark.parametrize(("instance_type", "cards"), [("p4d.24xlarge", 4), ("p4de.24xlarge", 4),
+                                                       ("p5.48xlarge", 32)])
+def test_launch_template_has_one_efa_per_network_card(instance_type, cards):
+    plan = plan_of(instance_type=instance_type, node_count=2)
+    nics = plan.mocks.one(LT).inputs["networkInterfaces"]
+    layout = [(int(n["networkCardIndex"]), int(n["deviceIndex"]), n["interfaceType"]) for n in nics]
+    assert layout[:2] == [(0, 0, "interface"), (0, 1, "efa-only")]
+    assert layout[2:] == [(card, 0, "efa-only") for card in range(1, cards)]
+    assert sum(n["interfaceType"] in ("efa", "efa-only") for n in nics) == cards
+    assert len(nics) == cards + 1
+    assert len({(n["networkCardIndex"], n["deviceIndex"]) for n in nics}) == len(nics)
+    assert [node["efa_count"] for node in plan.outputs["nodes"]] == [cards, cards]
+    assert len(efa_interface_layout(cards)) == cards + 1
+
+
+def test_launch_template_settings(demo_plan):
+    m = demo_plan.mocks
+    inputs = m.one(LT).inputs
+    assert inputs["instanceType"] == "p4d.24xlarge"
+    efa, private = m.named("demo-efa", SG), m.named("demo-private", SUBNET)
+    for nic in inputs["networkInterfaces"]:
+        assert nic["subnetId"] == private.id and nic["securityGroups"] == [efa.id]
+        assert nic["associatePublicIpAddress"] == "false" and nic["deleteOnTermination"] == "true"
+    assert inputs["metadataOptions"]["httpTokens"] == "required"
+    assert inputs["metadataOptions"]["httpPutResponseHopLimit"] in (1.0, 2.0)
+    assert inputs["metadataOptions"]["httpEndpoint"] == "enabled"
+    [root] = inputs["blockDeviceMappings"]
+    assert root["deviceName"] == "<root device of the AMI>"  # from the image's own description
+    assert root["ebs"] == {"volumeSize": 200.0, "volumeType": "gp3", "encrypted": "true",
+                           "deleteOnTermination": "true"}
+    profile = m.one("aws:iam/instanceProfile:InstanceProfile")
+    assert inputs["iamInstanceProfile"] == {"arn": f"<{profile.name}.arn>"}
+    assert "userData" not in inputs
+    assert "instanceMarketOptions" not in inputs and "capacityReservationSpecification" not in inputs
+    tagged = {spec["resourceType"]: spec["tags"] for spec in inputs["tagSpecifications"]}
+    assert set(tagged) == {"volume", "network-interface"}
+    assert all(tags[CLUSTER_TAG] == "demo" and tags[EXPIRES_TAG] == EXPIRES_AT for tags in tagged.values())
+    ami_lookup = [lk for lk in m.lookups if lk.token == "aws:ec2/getAmi:getAmi"]
+    assert ami_lookup[0].args["filters"] == [{"name": "image-id", "values": [demo_plan.outputs["ami_id"]]}]
+
+
+def test_spot_capacity_through_the_launch_template():
+    plan = plan_of(capacity={"type": "spot", "spot_max_price": 30.5})
+    inputs = plan.mocks.one(LT).inputs
+    assert inputs["instanceMarketOptions"] == {"marketType": "spot", "spotOptions": {
+        "maxPrice": "30.5", "spotInstanceType": "one-time", "instanceInterruptionBehavior": "terminate"}}
+    assert "capacityReservationSpecification" not in inputs
+    assert plan.mocks.one(PG)  # spot keeps the placement group
+
+
+# ---- instances --------------------------------------------------------------------------------
+def test_one_instance_per_node_with_a_stable_rank(demo_plan):
+    template = demo_plan.mocks.one(LT)
+    instances = nodes(demo_plan)
+    assert [i.name for i in instances] == ["demo-node0", "demo-node1", "demo-node2", "demo-node3"]
+    for rank, instance in enumerate(instances):
+        assert instance.tags[RANK_TAG] == str(rank)
+        assert instance.tags["Name"] == demo_plan.spec.node_name(rank)
+        assert instance.tags[CLUSTER_TAG] == "demo" and instance.tags[EXPIRES_TAG] == EXPIRES_AT
+        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "1"}
+        # Everything else comes from the launch template: no second place to configure a node.
+        assert not {"subnetId", "vpcSecurityGroupIds", "ami", "instanceType"} & instance.inputs.keys()
+
+
+# ---- identity ---------------------------------------------------------------------------------
+def test_node_role_has_ssm_and_only_the_checkpoint_bucket(demo_plan):
+    m = demo_plan.mocks
+    role = m.named("demo-node", ROLE)
+    trust = json.loads(role.inputs["assumeRolePolicy"])
+    assert trust["Statement"] == [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                                   "Action": "sts:AssumeRole"}]
+    attachment = m.one("aws:iam/rolePolicyAttachment:RolePolicyAttachment")
+    assert attachment.inputs["policyArn"] == "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore"
+    assert attachment.inputs["role"] == f"<{role.name}.name>"
+    policy = json.loads(m.named("demo-node-checkpoints", POLICY).inputs["policy"])
+    bucket_arn = f"<{m.one('aws:s3/bucket:Bucket').name}.arn>"
+    resources = {s["Resource"] for s in policy["Statement"]}
+    assert resources == {bucket_arn, f"{bucket_arn}/*"}
+    actions = [a for s in policy["Statement"] for a in s["Action"]]
+    assert "s3:PutObject" in actions and "s3:GetObject" in actions and "s3:ListBucket" in actions
+    assert not [a for a in actions if a.endswith("*")]
+    profile = m.one("aws:iam/instanceProfile:InstanceProfile")
+    assert profile.inputs["role"] == f"<{role.name}.name>"
+
+
+def test_public_key_is_imported_as_a_key_pair_used_by_nodes_and_bastion():
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDemoKey operator@laptop"
+    plan = plan_of(access={"public_key": key})
+    pair = plan.mocks.one("aws:ec2/keyPair:KeyPair")
+    assert pair.inputs["publicKey"] == key and pair.inputs["keyName"] == "demo-key"
+    assert plan.mocks.one(LT).inputs["keyName"] == "demo-key"
+    assert bastions(plan)[0].inputs["keyName"] == "demo-key"
+    assert plan.outputs["key_name"] == "demo-key"
+
+
+def test_existing_key_name_is_used_without_importing(demo_plan):
+    plan = plan_of(access={"key_name": "team-key"})
+    assert "aws:ec2/keyPair:KeyPair" not in plan.mocks.counts()
+    assert plan.mocks.one(LT).inputs["keyName"] == "team-key" and plan.outputs["key_name"] == "team-key"
+    assert "keyName" not in demo_plan.mocks.one(LT).inputs and demo_plan.outputs["key_name"] is None
+
+
+# ---- storage ----------------------------------------------------------------------------------
+def test_checkpoint_bucket_is_private_versioned_encrypted_and_expires_after_retention():
+    plan = plan_of(checkpoint_bucket={"retention_days": 14})
+    m = plan.mocks
+    bucket = m.one("aws:s3/bucket:Bucket")
+    assert bucket.inputs["bucketPrefix"] == "demo-checkpoints-"
+    block = m.one("aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock").inputs
+    assert block["bucket"] == bucket.id
+    assert all(block[k] for k in ("blockPublicAcls", "blockPublicPolicy", "ignorePublicAcls",
+                                  "restrictPublicBuckets"))
+    versioning = m.one("aws:s3/bucketVersioning:BucketVersioning").inputs
+    assert versioning["versioningConfiguration"] == {"status": "Enabled"}
+    sse = m.one("aws:s3/bucketServerSideEncryptionConfiguration:"
+                "BucketServerSideEncryptionConfiguration").inputs
+    assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] in ("AES256", "aws:kms")
+    [rule] = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]
+    assert rule["status"] == "Enabled"
+    assert rule["expiration"]["days"] == 14.0
+    assert rule["noncurrentVersionExpiration"]["noncurrentDays"] == 14.0
+    assert plan.outputs["checkpoint_bucket"].startswith("demo-checkpoints-")
+
+
+def test_named_checkpoint_bucket():
+    plan = plan_of(checkpoint_bucket={"name": "acme-fsdp-checkpoints"})
+    assert plan.mocks.one("aws:s3/bucket:Bucket").inputs["bucket"] == "acme-fsdp-checkpoints"
+    assert plan.outputs["checkpoint_bucket"] == "acme-fsdp-checkpoints"
+
+
+def test_fsx_persistent_2_with_its_s3_data_repository_association(demo_plan):
+    plan = plan_of(storage={"fsx": {"enabled": True, "capacity_gib": 4800, "throughput_per_tib": 500,
+                                    "s3_import_path": "s3://acme-data/tokens",
+                                    "s3_export_path": "s3://acme-data/tokens"}})
+    m = plan.mocks
+    lustre = m.one("aws:fsx/lustreFileSystem:LustreFileSystem")
+    assert lustre.inputs["deploymentType"] == "PERSISTENT_2"
+    assert lustre.inputs["storageCapacity"] == 4800.0 and lustre.inputs["perUnitStorageThroughput"] == 500.0
+    assert lustre.inputs["subnetIds"] == m.named("demo-private", SUBNET).id  # one str in pulumi-aws v7
+    assert lustre.inputs["securityGroupIds"] == [m.named("demo-efa", SG).id]
+    association = m.one("aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation").inputs
+    assert association["fileSystemId"] == lustre.id
+    assert association["dataRepositoryPath"] == "s3://acme-data/tokens"
+    assert set(association["s3"]) == {"autoImportPolicy", "autoExportPolicy"}
+    assert plan.outputs["fsx_dns_name"] == f"<{lustre.name}.dns_name>"
+    assert plan.outputs["fsx_mount_name"] == f"<{lustre.name}.mount_name>"
+    assert "aws:fsx/lustreFileSystem:LustreFileSystem" not in demo_plan.mocks.counts()
+    assert demo_plan.outputs["fsx_dns_name"] is None and demo_plan.outputs["fsx_mount_name"] is None
+
+
+def test_fsx_scratch_takes_s3_paths_on_the_file_system():
+    plan = plan_of(storage={"fsx": {"enabled": True, "deployment_type": "SCRATCH_2",
+                                    "s3_import_path": "s3://acme-data/tokens"}})
+    lustre = plan.mocks.one("aws:fsx/lustreFileSystem:LustreFileSystem").inputs
+    assert lustre["importPath"] == "s3://acme-data/tokens" and "perUnitStorageThroughput" not in lustre
+    assert "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation" not in plan.mocks.counts()
+
+
+def test_root_volume_size_from_the_spec():
+    plan = plan_of(storage={"root_volume_gib": 500})
+    assert plan.mocks.one(LT).inputs["blockDeviceMappings"][0]["ebs"]["volumeSize"] == 500.0
+
+
+# ---- expiry -----------------------------------------------------------------------------------
+def test_expiry_schedule_terminates_exactly_the_nodes(demo_plan):
+    m = demo_plan.mocks
+    group = m.one("aws:scheduler/scheduleGroup:ScheduleGroup")
+    assert group.inputs["name"] == "fsdp-cluster-demo" and group.tags[CLUSTER_TAG] == "demo"
+    schedule = m.one("aws:scheduler/schedule:Schedule").inputs
+    assert schedule["groupName"] == "fsdp-cluster-demo"
+    assert schedule["scheduleExpression"] == "at(2026-12-03T13:00:00)"
+    assert schedule["scheduleExpressionTimezone"] == "UTC"
+    assert schedule["flexibleTimeWindow"] == {"mode": "OFF"}
+    target = schedule["target"]
+    assert target["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
+    assert json.loads(target["input"]) == {"InstanceIds": [n.id for n in nodes(demo_plan)]}
+    role = m.named("demo-expiry", ROLE)
+    assert target["roleArn"] == f"<{role.name}.arn>"
+    trust = json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]
+    assert trust["Principal"] == {"Service": "scheduler.amazonaws.com"}
+    [statement] = json.loads(m.named("demo-expiry-terminate", POLICY).inputs["policy"])["Statement"]
+    assert statement["Action"] == "ec2:TerminateInstances"
+    assert statement["Resource"] == "arn:aws:ec2:us-east-1:*:instance/*"
+    assert statement["Condition"] == {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
+
+
+def test_no_expiry_schedule_when_expiry_is_disabled():
+    plan = plan_of(expiry_hours=None)
+    assert not [t for t in plan.mocks.counts() if t.startswith("aws:scheduler")]
+    assert {r.tags.get(EXPIRES_TAG) for r in plan.mocks.resources if r.tags} == {"never"}
+
+
+# ---- bastion and image ------------------------------------------------------------------------
+def test_bastion_in_the_public_subnet_with_imdsv2_and_encrypted_root(demo_plan):
+    m = demo_plan.mocks
+    [bastion] = bastions(demo_plan)
+    inputs = bastion.inputs
+    assert inputs["instanceType"] == "t3.micro"
+    assert inputs["subnetId"] == m.named("demo-public", SUBNET).id
+    assert inputs["vpcSecurityGroupIds"] == [m.named("demo-bastion", SG).id]
+    assert inputs["associatePublicIpAddress"] is True
+    assert inputs["metadataOptions"]["httpTokens"] == "required"
+    assert inputs["rootBlockDevice"]["encrypted"] is True and inputs["rootBlockDevice"]["volumeType"] == "gp3"
+    assert inputs["ami"] == f"<AMI from SSM {BASTION_SSM_PARAMETERS['ubuntu']}>"
+    assert demo_plan.outputs["bastion_public_ip"] == f"<{bastion.name}.public_ip>"
+
+
+def test_node_image_from_the_dlami_ssm_parameter_or_an_explicit_id(demo_plan):
+    parameters = [lk.args["name"] for lk in demo_plan.mocks.lookups
+                  if lk.token == "aws:ssm/getParameter:getParameter"]
+    assert DEFAULT_DLAMI_PARAMETER in parameters
+    assert demo_plan.mocks.one(LT).inputs["imageId"] == f"<AMI from SSM {DEFAULT_DLAMI_PARAMETER}>"
+    assert demo_plan.outputs["ami_id"] == f"<AMI from SSM {DEFAULT_DLAMI_PARAMETER}>"
+    plan = plan_of(image={"ami_id": "ami-0123456789abcdef0"})
+    assert plan.mocks.one(LT).inputs["imageId"] == "ami-0123456789abcdef0"
+    assert plan.outputs["ami_id"] == "ami-0123456789abcdef0"
+    assert DEFAULT_DLAMI_PARAMETER not in [lk.args.get("name") for lk in plan.mocks.lookups]
+
+
+def test_amazon_linux_user_gets_an_amazon_linux_bastion():
+    plan = plan_of(access={"ssh_user": "ec2-user"})
+    assert bastions(plan)[0].inputs["ami"] == f"<AMI from SSM {BASTION_SSM_PARAMETERS['ec2-user']}>"
+    assert plan.outputs["ssh_user"] == "ec2-user"
+
+
+def test_provider_is_pinned_to_the_spec_region():
+    plan = plan_of(region="us-west-2", availability_zone="us-west-2a")
+    assert plan.mocks.one("pulumi:providers:aws").inputs["region"] == "us-west-2"
+    assert {s.inputs["availabilityZone"] for s in plan.mocks.of_type(SUBNET)} == {"us-west-2a"}

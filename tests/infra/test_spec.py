@@ -1,0 +1,122 @@
+"""The cluster spec: defaults of the minimal demo spec, and every rejected input refused with its
+field, value and fix before the Pulumi program registers a single resource."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.plan import RecordingMocks, run_offline
+from infra.spec import (
+    DEFAULT_DLAMI_PARAMETER,
+    CapacityType,
+    SpecError,
+    load_spec,
+    parse_spec,
+)
+from tests.infra.conftest import EXPIRES_AT, REPO, demo_data
+
+
+def test_demo_spec_defaults():
+    spec = load_spec(REPO / "examples" / "demo.yaml")
+    assert (spec.name, spec.instance_type, spec.node_count) == ("demo", "p4d.24xlarge", 4)
+    assert spec.capacity.type is CapacityType.ON_DEMAND and spec.capacity.reservation_id is None
+    assert spec.uses_placement_group
+    assert spec.network.creates_vpc and spec.network.mtu == 9000 and spec.network.vpc_cidr == "10.42.0.0/16"
+    assert spec.access.bastion and spec.access.ssm and spec.access.bastion_instance_type == "t3.micro"
+    assert spec.access.ssh_user == "ubuntu"
+    assert spec.storage.scratch_mount == "/scratch" and spec.storage.root_volume_gib == 200
+    assert not spec.storage.fsx.enabled and spec.storage.fsx.capacity_gib == 1200
+    assert spec.image.ami_id is None and spec.image.ssm_parameter == DEFAULT_DLAMI_PARAMETER
+    assert spec.checkpoint_bucket.retention_days == 7
+    assert spec.expiry_hours == 24
+    assert spec.base_tags() == {"fsdp-cluster:cluster": "demo"}
+    assert spec.warnings() == []
+
+
+def test_reservation_turns_the_placement_group_off_with_a_warning():
+    spec = parse_spec(demo_data(capacity={"type": "capacity-reservation",
+                                          "reservation_id": "cr-0123456789abcdef0"}))
+    assert not spec.uses_placement_group
+    assert any("placement group" in w and "cr-0123456789abcdef0" in w for w in spec.warnings())
+    spec = parse_spec(demo_data(capacity={"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"},
+                                placement_group={"existing_name": "reserved-pg"}))
+    assert spec.uses_placement_group and spec.warnings() == []
+
+
+REJECTED = {
+    "unknown instance type": (
+        {"instance_type": "p4d.24xl"}, "instance_type", "p4d.24xl", "did you mean p4d.24xlarge"),
+    "node_count below 1": ({"node_count": 0}, "node_count", 0, "at least 1 node"),
+    "MTU below 576": ({"network": {"mtu": 500}}, "network.mtu", 500, "9000"),
+    "MTU above 9001": ({"network": {"mtu": 9216}}, "network.mtu", 9216, "9000"),
+    "AZ of another region": (
+        {"availability_zone": "us-west-2a"}, "availability_zone", "us-west-2a", "us-east-1a"),
+    "SSH open to the internet": (
+        {"ssh_cidr": "0.0.0.0/0"}, "ssh_cidr", "0.0.0.0/0", "allow_ssh_from_anywhere"),
+    "FSx capacity AWS rejects": (
+        {"storage": {"fsx": {"enabled": True, "capacity_gib": 3000}}}, "storage.fsx.capacity_gib", 3000,
+        "use 2400 or 4800"),
+    "FSx capacity below the minimum": (
+        {"storage": {"fsx": {"enabled": True, "capacity_gib": 1000}}}, "storage.fsx.capacity_gib", 1000,
+        "use 1200"),
+    "spot with a reservation": (
+        {"capacity": {"type": "spot", "reservation_id": "cr-0123456789abcdef0"}}, "capacity.reservation_id",
+        "cr-0123456789abcdef0", "remove reservation_id"),
+    "zero retention days": (
+        {"checkpoint_bucket": {"retention_days": 0}}, "checkpoint_bucket.retention_days", 0, "use 7"),
+    "bastion user without an image": (
+        {"access": {"ssh_user": "admin"}}, "access.ssh_user", "admin", "access.bastion: false"),
+    "PERSISTENT_2 export path differs": (
+        {"storage": {"fsx": {"enabled": True, "s3_import_path": "s3://data-bucket/in",
+                             "s3_export_path": "s3://data-bucket/out"}}},
+        "storage.fsx.s3_export_path", "s3://data-bucket/out", "s3://data-bucket/in"),
+}
+
+
+@pytest.mark.parametrize("case", REJECTED, ids=list(REJECTED))
+def test_rejected_input_names_field_value_fix_and_registers_nothing(case):
+    overrides, field, value, fix_hint = REJECTED[case]
+    data = demo_data(**overrides)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(data)
+    problems = [p for p in caught.value.problems if p.field == field]
+    assert problems, f"no problem reported for {field}: {caught.value}"
+    assert problems[0].value == value
+    assert fix_hint in f"{problems[0].message} {problems[0].fix}"
+    assert fix_hint in str(caught.value)
+
+    # The same config given to the Pulumi program (as `pulumi up` does) registers nothing.
+    recorder = RecordingMocks()
+    with pytest.raises(SpecError):
+        run_offline(data, EXPIRES_AT, mocks=recorder)
+    assert recorder.registrations == []
+
+
+def test_ssh_from_anywhere_needs_the_opt_in():
+    spec = parse_spec(demo_data(ssh_cidr="0.0.0.0/0", allow_ssh_from_anywhere=True))
+    assert spec.ssh_cidr == "0.0.0.0/0"
+
+
+def test_every_problem_is_listed_at_once():
+    data = demo_data(instance_type="p5.48xl", node_count=0, network={"mtu": 10000}, ssh_cidr="0.0.0.0/0",
+                     availability_zone="eu-west-1a", checkpoint_bucket={"retention_days": 0},
+                     capacity={"type": "spot", "reservation_id": "cr-0123456789abcdef0"},
+                     storage={"fsx": {"enabled": True, "capacity_gib": 5000}}, colour="blue")
+    with pytest.raises(SpecError) as caught:
+        parse_spec(data)
+    fields = {p.field for p in caught.value.problems}
+    assert fields >= {"instance_type", "node_count", "network.mtu", "ssh_cidr", "availability_zone",
+                      "checkpoint_bucket.retention_days", "capacity.reservation_id",
+                      "storage.fsx.capacity_gib", "colour"}
+    assert all(p.fix for p in caught.value.problems)
+
+
+def test_expiry_time_is_required_when_expiry_is_on_and_nothing_is_registered():
+    recorder = RecordingMocks()
+    with pytest.raises(SpecError, match="fsdp-cluster:expiresAt"):
+        run_offline(demo_data(), None, mocks=recorder)
+    assert recorder.registrations == []
+    recorder = RecordingMocks()
+    with pytest.raises(SpecError, match="ISO 8601 UTC"):
+        run_offline(demo_data(), "2026-12-03 13:00 +0200", mocks=recorder)
+    assert recorder.registrations == []
