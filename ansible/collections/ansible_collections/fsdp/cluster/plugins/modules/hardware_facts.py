@@ -1,0 +1,150 @@
+#!/usr/bin/python
+"""Detect the GPU/EFA/NVMe hardware of a node from sysfs (the fact `fsdp_hardware`)."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: hardware_facts
+short_description: Detect NVIDIA GPUs, NVSwitches, EFA devices and NVMe instance storage
+description:
+  - Reads sysfs only; loads no driver and needs no vendor tool, so it works before any driver is
+    installed and inside containers.
+  - NVIDIA GPUs are PCI functions with vendor 0x10de and a display-controller class (0x0300, 0x0302);
+    NVSwitches are vendor 0x10de bridges (class 0x0680).
+  - EFA devices are C(/sys/class/infiniband) entries whose device is bound to the C(efa) driver.
+  - NVMe instance-store devices are namespaces of controllers whose model is
+    "Amazon EC2 NVMe Instance Storage" (EBS volumes report "Amazon Elastic Block Store").
+options:
+  sysfs_root:
+    description: Directory that holds C(sys/), C(proc/) and C(run/); the node's C(/) unless testing.
+    type: path
+    default: /
+author:
+  - fsdp-cluster contributors
+"""
+
+EXAMPLES = r"""
+- name: Detect the node's accelerators, EFAs and instance storage
+  fsdp.cluster.hardware_facts:
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: C(fsdp_hardware), a dictionary with the keys below.
+  returned: always
+  type: dict
+  contains:
+    fsdp_hardware:
+      description: gpus (PCI addresses), gpu_count, nvswitch_count, efa_devices, efa_count,
+        nvme_instance_store (device paths), container (empty when not in one), cap_sys_resource.
+      type: dict
+"""
+
+import os
+import re
+
+from ansible.module_utils.basic import AnsibleModule
+
+NVIDIA_VENDOR = "0x10de"
+GPU_CLASS_PREFIXES = ("0x0300", "0x0302")
+NVSWITCH_CLASS_PREFIX = "0x0680"
+INSTANCE_STORE_MODEL = "Amazon EC2 NVMe Instance Storage"
+CAP_SYS_RESOURCE_BIT = 24
+
+
+def _read(path, default=""):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def _listdir(path):
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _pci_functions(root):
+    base = os.path.join(root, "sys/bus/pci/devices")
+    for address in _listdir(base):
+        dev = os.path.join(base, address)
+        yield address, _read(os.path.join(dev, "vendor")).lower(), _read(os.path.join(dev, "class")).lower()
+
+
+def _efa_devices(root):
+    base = os.path.join(root, "sys/class/infiniband")
+    found = []
+    for name in _listdir(base):
+        driver = os.path.join(base, name, "device/driver")
+        if os.path.basename(os.path.realpath(driver)) == "efa":
+            found.append(name)
+    return found
+
+
+def _instance_store_devices(root):
+    base = os.path.join(root, "sys/class/nvme")
+    found = []
+    for ctrl in _listdir(base):
+        if _read(os.path.join(base, ctrl, "model")) != INSTANCE_STORE_MODEL:
+            continue
+        namespaces = [n for n in _listdir(os.path.join(base, ctrl)) if n.startswith(ctrl + "n")]
+        found.extend("/dev/" + n for n in namespaces)
+    # nvme10n1 after nvme9n1: compare the numbers as numbers
+    return sorted(found, key=lambda dev: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", dev)])
+
+
+def _container(root):
+    marker = _read(os.path.join(root, "run/systemd/container"))
+    if marker:
+        return marker
+    if os.path.exists(os.path.join(root, ".dockerenv")):
+        return "docker"
+    environ = _read(os.path.join(root, "proc/1/environ"))
+    for item in environ.split("\0"):
+        if item.startswith("container="):
+            return item.split("=", 1)[1]
+    return ""
+
+
+def _cap_sys_resource(root):
+    for line in _read(os.path.join(root, "proc/self/status")).splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> CAP_SYS_RESOURCE_BIT & 1)
+    return False
+
+
+def detect(root="/"):
+    """The hardware facts of the node whose filesystem is rooted at `root`."""
+    gpus, nvswitches = [], 0
+    for address, vendor, pci_class in _pci_functions(root):
+        if vendor != NVIDIA_VENDOR:
+            continue
+        if pci_class.startswith(GPU_CLASS_PREFIXES):
+            gpus.append(address)
+        elif pci_class.startswith(NVSWITCH_CLASS_PREFIX):
+            nvswitches += 1
+    efa = _efa_devices(root)
+    return {
+        "gpus": gpus,
+        "gpu_count": len(gpus),
+        "nvswitch_count": nvswitches,
+        "efa_devices": efa,
+        "efa_count": len(efa),
+        "nvme_instance_store": _instance_store_devices(root),
+        "container": _container(root),
+        "cap_sys_resource": _cap_sys_resource(root),
+    }
+
+
+def main():
+    module = AnsibleModule(argument_spec={"sysfs_root": {"type": "path", "default": "/"}},
+                           supports_check_mode=True)
+    module.exit_json(changed=False, ansible_facts={"fsdp_hardware": detect(module.params["sysfs_root"])})
+
+
+if __name__ == "__main__":
+    main()
