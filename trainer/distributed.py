@@ -38,9 +38,14 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def launch_sizes() -> tuple[int, int]:
+    """(world size, ranks per node) of this launch, known before any process group exists."""
+    return _env_int("WORLD_SIZE", 1), _env_int("LOCAL_WORLD_SIZE", 1)
+
+
 def init_distributed(cfg: DistributedConfig) -> Runtime:
-    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    local_rank, local_world_size = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    world_size, local_world_size = launch_sizes()
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         if not torch.cuda.is_available():

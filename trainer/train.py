@@ -20,9 +20,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import CheckpointManager
-from trainer.config import OptimConfig, Strategy, TrainConfig, derive_layout
+from trainer.config import Layout, OptimConfig, Strategy, TrainConfig, derive_layout
 from trainer.data import BatchLoader, build_source
-from trainer.distributed import Runtime, init_distributed, shutdown
+from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdown
 from trainer.metrics import MetricsLogger, gather_loss_and_memory, stderr_log
 from trainer.model import Transformer, build_model
 from trainer.parallelize import build_mesh, parallelize, set_gradient_sync, sharding_report
@@ -116,7 +116,7 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
                       grad_sync_s, skipped)
 
 
-def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout) -> Transformer:
+def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout) -> Transformer:
     """Meta-device model -> fully_shard -> allocate only this rank's shards -> initialise them."""
     model = build_model(cfg.model)
     mesh = build_mesh(layout, cfg.parallel.strategy, runtime.device.type)
@@ -126,10 +126,9 @@ def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout) -> Transfor
     return model
 
 
-def run(cfg: TrainConfig, runtime: Runtime, *, print_sharding: bool = False,
+def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: bool = False,
         log: Callable[[str], None] = stderr_log) -> dict:
     main_log = log if runtime.is_main else (lambda _message: None)
-    layout = derive_layout(cfg, runtime.world_size, runtime.local_world_size)
     torch.manual_seed(cfg.training.seed)
     model = build_parallel_model(cfg, runtime, layout)
     main_log(f"model: {cfg.model.num_params:,} parameters, {cfg.parallel.strategy} on "
@@ -181,8 +180,10 @@ def run(cfg: TrainConfig, runtime: Runtime, *, print_sharding: bool = False,
 
 
 def train(cfg: TrainConfig, *, print_sharding: bool = False) -> dict:
+    # Meshes and batch splits that cannot work are refused before any process group exists.
+    layout = derive_layout(cfg, *launch_sizes())
     runtime = init_distributed(cfg.distributed)
     try:
-        return run(cfg, runtime, print_sharding=print_sharding)
+        return run(cfg, runtime, layout, print_sharding=print_sharding)
     finally:
         shutdown()
