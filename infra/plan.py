@@ -58,8 +58,7 @@ def placeholder(resource_name: str, attribute: str) -> str:
 
 
 def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
-    """Attributes AWS assigns at creation, as placeholders (plus the few that are facts: a new
-    launch template's first version is 1)."""
+    """Attributes AWS assigns at creation, as placeholders."""
     state: dict[str, Any] = {
         "arn": placeholder(name, "arn"),
         "name": inputs.get("name") or placeholder(name, "name"),
@@ -67,8 +66,6 @@ def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, An
     if typ == "aws:ec2/instance:Instance":
         state["privateIp"] = placeholder(name, "private_ip")
         state["publicIp"] = placeholder(name, "public_ip") if inputs.get("associatePublicIpAddress") else None
-    elif typ == "aws:ec2/launchTemplate:LaunchTemplate":
-        state["latestVersion"] = 1
     elif typ == "aws:ec2/eip:Eip":
         state["allocationId"] = placeholder(name, "allocation_id")
         state["publicIp"] = placeholder(name, "public_ip")

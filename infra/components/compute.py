@@ -21,6 +21,7 @@ from infra.spec import BASTION_SSM_PARAMETERS, RANK_TAG, CapacityType
 # instance metadata; raise to 2 if training runs in containers that need the node role.
 IMDS_HOP_LIMIT = 1
 BASTION_ROOT_GIB = 10
+LAUNCH_TEMPLATE_VERSION = "$Default"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
 
 
@@ -52,7 +53,8 @@ def resolve_ami(ctx: ClusterContext, ssm_parameter: str) -> str:
 class Compute(pulumi.ComponentResource):
     nodes: list[aws.ec2.Instance]
     efa_count: int
-    ami_id: str
+    requested_ami: str
+    ami_id: pulumi.Output[str]
     placement_group_name: pulumi.Output[str] | None
     bastion_public_ip: pulumi.Output[str] | None
 
@@ -63,16 +65,20 @@ class Compute(pulumi.ComponentResource):
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
         spec = ctx.spec
-        self.ami_id = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
+        self.requested_ami = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
         self.placement_group_name = self._placement_group(ctx)
         slots = efa_interface_layout(spec.instance.network_cards)
         self.efa_count = efa_count(slots)
         template = self._launch_template(ctx, slots, private_subnet_id, node_security_group_id,
                                          instance_profile_arn, key_name)
+        # The AMI the nodes actually run (pinned in the template; see _launch_template).
+        self.ami_id = template.image_id
         self.nodes = [
             aws.ec2.Instance(
                 spec.node_name(rank),
-                launch_template={"id": template.id, "version": template.latest_version.apply(str)},
+                # "$Default" (kept current by update_default_version): a template change does not
+                # replace running nodes; a node created later (scale-up, `fsdpctl replace`) gets it.
+                launch_template={"id": template.id, "version": LAUNCH_TEMPLATE_VERSION},
                 tags={**ctx.tags, RANK_TAG: str(rank), "Name": spec.node_name(rank)},
                 opts=child_options(self))
             for rank in range(spec.node_count)
@@ -99,7 +105,7 @@ class Compute(pulumi.ComponentResource):
                          instance_profile_arn: pulumi.Input[str],
                          key_name: pulumi.Input[str] | None) -> aws.ec2.LaunchTemplate:
         spec = ctx.spec
-        root_device = aws.ec2.get_ami(filters=[{"name": "image-id", "values": [self.ami_id]}],
+        root_device = aws.ec2.get_ami(filters=[{"name": "image-id", "values": [self.requested_ami]}],
                                       opts=ctx.invoke_options()).root_device_name
         interfaces = [
             {
@@ -133,7 +139,7 @@ class Compute(pulumi.ComponentResource):
         return aws.ec2.LaunchTemplate(
             ctx.resource_name(spec.instance_type.replace(".", "-")),
             description=f"fsdp-cluster {spec.name}: {spec.instance_type} with {efa_count(slots)} EFA",
-            image_id=self.ami_id,
+            image_id=self.requested_ami,
             instance_type=spec.instance_type,
             key_name=key_name,
             iam_instance_profile={"arn": instance_profile_arn},
@@ -154,7 +160,10 @@ class Compute(pulumi.ComponentResource):
                                 {"resource_type": "network-interface", "tags": ctx.tags}],
             update_default_version=True,
             tags=ctx.tags_named(spec.instance_type.replace(".", "-")),
-            opts=child_options(self))
+            # An image found through an SSM parameter ("latest DLAMI") is pinned at creation: a new
+            # release must not give later nodes a different driver than the running ones. Set
+            # image.ami_id to move the cluster to another image deliberately.
+            opts=child_options(self, ignore_changes=[] if spec.image.ami_id else ["imageId"]))
 
     def _bastion(self, ctx: ClusterContext, subnet_id: pulumi.Input[str] | None,
                  security_group_id: pulumi.Input[str] | None,
@@ -175,5 +184,6 @@ class Compute(pulumi.ComponentResource):
             root_block_device={"volume_type": "gp3", "volume_size": BASTION_ROOT_GIB, "encrypted": True,
                                "delete_on_termination": True, "tags": ctx.tags_named("bastion")},
             tags=ctx.tags_named("bastion"),
-            opts=child_options(self))
+            # A new Ubuntu/Amazon Linux release must not replace the bastion (and its address).
+            opts=child_options(self, ignore_changes=["ami"]))
         return bastion.public_ip

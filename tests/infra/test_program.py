@@ -185,7 +185,8 @@ def test_launch_template_settings(demo_plan):
     assert set(tagged) == {"volume", "network-interface"}
     assert all(tags[CLUSTER_TAG] == "demo" and tags[EXPIRES_TAG] == EXPIRES_AT for tags in tagged.values())
     ami_lookup = [lk for lk in m.lookups if lk.token == "aws:ec2/getAmi:getAmi"]
-    assert ami_lookup[0].args["filters"] == [{"name": "image-id", "values": [demo_plan.outputs["ami_id"]]}]
+    assert ami_lookup[0].args["filters"] == [{"name": "image-id", "values": [inputs["imageId"]]}]
+    assert inputs["updateDefaultVersion"] is True
 
 
 def test_spot_capacity_through_the_launch_template():
@@ -206,7 +207,7 @@ def test_one_instance_per_node_with_a_stable_rank(demo_plan):
         assert instance.tags[RANK_TAG] == str(rank)
         assert instance.tags["Name"] == demo_plan.spec.node_name(rank)
         assert instance.tags[CLUSTER_TAG] == "demo" and instance.tags[EXPIRES_TAG] == EXPIRES_AT
-        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "1"}
+        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "$Default"}
         # Everything else comes from the launch template: no second place to configure a node.
         assert not {"subnetId", "vpcSecurityGroupIds", "ami", "instanceType"} & instance.inputs.keys()
 
