@@ -471,12 +471,14 @@ class CheckpointManager:
         state = {"model": model_state, "optim": optim_state}
         self._last_saved_step = step
         if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group.pg)
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
+                                    no_dist=not self._group.distributed)
             blocking = time.monotonic() - started
             self._collective_work = self._start(self._finish_save, step, tmp, final, started, blocking,
                                                 future)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group.pg)
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
+                     no_dist=not self._group.distributed)
             blocking = time.monotonic() - started
             committed = self._commit(step, tmp, final, started, blocking)
             if committed is not None:
@@ -704,7 +706,8 @@ class CheckpointManager:
         manifest, _ = read_manifest(path)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path), process_group=self._group.pg)
+        dcp.load(state, checkpoint_id=str(path), process_group=self._group.pg,
+                 no_dist=not self._group.distributed)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         saved_world = manifest["world_size"]
         same_world = saved_world == self.world_size

@@ -1,13 +1,17 @@
 """A tiny deterministic FSDP2 training job driving trainer.checkpoint, run under torchrun by the checkpoint
-and elastic tests (it holds no tests itself). Rank 0 appends one JSON line per step to --metrics-file."""
+and elastic tests, and the helpers those tests launch it with (this module holds no tests itself).
+Rank 0 appends one JSON line per step to --metrics-file."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -34,7 +38,7 @@ class StepCounter:
 
 def build_model() -> nn.Module:
     torch.manual_seed(1234)
-    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Dropout(0.1)) for _ in range(3)]
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(3)]
     model = nn.Sequential(*blocks, nn.Linear(WIDTH, 1))
     if dist.is_initialized():
         for block in blocks:
@@ -108,6 +112,67 @@ def main() -> int:
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+# --- used by the tests -----------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **extra)
+    env.pop("RANK", None)
+    return env
+
+
+def worker_args(*, steps: int, metrics: Path, checkpoint: dict, **options: float | Path) -> list[str]:
+    args = [str(Path(__file__).resolve()), "--steps", str(steps), "--metrics-file", str(metrics),
+            "--checkpoint-json", json.dumps(checkpoint)]
+    for name, value in options.items():
+        args += [f"--{name.replace('_', '-')}", str(value)]
+    return args
+
+
+def run_job(nproc: int, *, steps: int, metrics: Path, checkpoint: dict, env: dict[str, str] | None = None,
+            **options: float | Path) -> str:
+    """Run the worker on ``nproc`` local ranks (torchrun --standalone: its own free port on loopback);
+    returns its stderr (the checkpoint log), fails the test on a non-zero exit."""
+    argv = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
+            *worker_args(steps=steps, metrics=metrics, checkpoint=checkpoint, **options)]
+    done = subprocess.run(argv, env=env or worker_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, f"{argv} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    return done.stderr
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    """step -> loss; a step recomputed after a restart keeps its last value."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+REFERENCE_STEPS = 10
+
+
+def reference_run(tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run of REFERENCE_STEPS steps, checkpointing every 5, that every resumed
+    or restarted run must reproduce; run once per session and shared by the test modules. Returns its
+    directory (``metrics.jsonl``, ``ckpt/``)."""
+    directory = tmp_path_factory.getbasetemp() / "reference"
+    metrics = directory / "metrics.jsonl"
+    if not metrics.exists():
+        directory.mkdir(exist_ok=True)
+        partial = directory / "metrics.partial"
+        run_job(2, steps=REFERENCE_STEPS, metrics=partial,
+                checkpoint={"dir": str(directory / "ckpt"), "interval": 5})
+        partial.rename(metrics)
+    return directory
 
 
 if __name__ == "__main__":
