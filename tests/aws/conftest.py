@@ -1,0 +1,119 @@
+"""moto in-process for everything it implements; botocore Stubber or a thin before-call fake for
+the calls moto lacks (service quotas for EC2, capacity reservations, placement groups)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import boto3
+import pytest
+from botocore.awsrequest import AWSResponse
+from moto import mock_aws
+from moto.core import DEFAULT_ACCOUNT_ID
+from moto.ec2.models import ec2_backends
+from moto.ec2.models.amis import Ami
+from moto.ec2.utils import random_ami_id
+
+from infra.aws.clients import AwsClients
+from infra.spec import parse_spec
+
+REGION = "us-east-1"
+
+
+@pytest.fixture
+def aws_env(monkeypatch, tmp_path):
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # moto's ~1300 built-in AMIs cost seconds per test; the tests seed the few they need.
+    monkeypatch.setenv("MOTO_EC2_LOAD_DEFAULT_AMIS", "false")
+    with mock_aws():
+        yield
+
+
+def seed_image(architecture: str, name: str) -> str:
+    """An AMI with a given architecture (moto's register_image cannot set one)."""
+    backend = ec2_backends[DEFAULT_ACCOUNT_ID][REGION]
+    image = Ami(backend, ami_id=random_ami_id(), name=name, architecture=architecture,
+                root_device_type="ebs", owner_id=DEFAULT_ACCOUNT_ID)
+    backend.amis[image.id] = image
+    return image.id
+
+
+@cache
+def _shared_session() -> boto3.Session:
+    """One session for all tests: it caches the parsed service models (EC2's alone takes about a
+    second to load). Every test sets the same fake credentials; moto's state is still per test."""
+    return boto3.Session(region_name=REGION)
+
+
+@pytest.fixture
+def aws(aws_env) -> AwsClients:
+    return AwsClients(_shared_session())
+
+
+def make_spec(**overrides):
+    data = {
+        "name": "pf", "region": REGION, "availability_zone": "us-east-1b",
+        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
+    }
+    data.update(overrides)
+    return parse_spec(data)
+
+
+class Ec2Extras:
+    """Placement groups and capacity reservations, which moto does not implement, answered on the
+    moto-backed EC2 client through botocore's before-call hook (the request never leaves it)."""
+
+    def __init__(self, client):
+        self.placement_groups: dict[str, dict] = {}
+        self.reservations: dict[str, dict] = {}
+        self.calls: list[str] = []
+        events = client.meta.events
+        events.register("before-call.ec2.CreatePlacementGroup", self._create_pg)
+        events.register("before-call.ec2.DescribePlacementGroups", self._describe_pgs)
+        events.register("before-call.ec2.DeletePlacementGroup", self._delete_pg)
+        events.register("before-call.ec2.DescribeCapacityReservations", self._describe_reservations)
+
+    @staticmethod
+    def _ok(body: dict):
+        return (AWSResponse(None, 200, {}, None), {**body, "ResponseMetadata": {"HTTPStatusCode": 200}})
+
+    @staticmethod
+    def _error(code: str, message: str):
+        return (AWSResponse(None, 400, {}, None), {"Error": {"Code": code, "Message": message},
+                                                   "ResponseMetadata": {"HTTPStatusCode": 400}})
+
+    def _create_pg(self, params, **_):
+        name = params["GroupName"]
+        tags = [t for spec in params.get("TagSpecifications", []) for t in spec["Tags"]]
+        self.placement_groups[name] = {"GroupName": name, "Strategy": params.get("Strategy", "cluster"),
+                                       "State": "available", "Tags": tags}
+        return self._ok({"PlacementGroup": self.placement_groups[name]})
+
+    def _describe_pgs(self, params, **_):
+        groups = list(self.placement_groups.values())
+        for f in params.get("Filters", []):
+            if f["Name"].startswith("tag:"):
+                key = f["Name"][4:]
+                groups = [g for g in groups if any(t["Key"] == key and t["Value"] in f["Values"]
+                                                   for t in g["Tags"])]
+        return self._ok({"PlacementGroups": groups})
+
+    def _delete_pg(self, params, **_):
+        self.calls.append("DeletePlacementGroup")
+        if self.placement_groups.pop(params["GroupName"], None) is None:
+            return self._error("InvalidPlacementGroup.Unknown", f"{params['GroupName']} unknown")
+        return self._ok({})
+
+    def _describe_reservations(self, params, **_):
+        wanted = params.get("CapacityReservationIds") or list(self.reservations)
+        missing = [r for r in wanted if r not in self.reservations]
+        if missing:
+            return self._error("InvalidCapacityReservationId.NotFound", f"{missing[0]} not found")
+        return self._ok({"CapacityReservations": [self.reservations[r] for r in wanted]})

@@ -1,0 +1,254 @@
+"""Pre-flight against moto (offerings, instance types, AMIs, key pairs, VPCs, S3), botocore Stubber
+(EC2 service quotas) and the before-call fake (capacity reservations)."""
+
+from __future__ import annotations
+
+import re
+
+import boto3
+import pytest
+from botocore.stub import Stubber
+
+from infra import cli
+from infra.aws import preflight
+from infra.aws.clients import AwsClients
+from infra.cli import CommandError
+
+from .conftest import REGION, Ec2Extras, make_spec, seed_image
+
+DLAMI_PARAMETER = "/fsdp-test/dlami/ami-id"
+
+
+def stub_quota(aws: AwsClients, value: float, code: str = "L-417A185B", applied: bool = True) -> Stubber:
+    client = boto3.client("service-quotas", region_name=REGION)
+    stubber = Stubber(client)
+    params = {"ServiceCode": "ec2", "QuotaCode": code}
+    quota = {"Quota": {"ServiceCode": "ec2", "QuotaCode": code, "Value": value}}
+    if applied:
+        stubber.add_response("get_service_quota", quota, params)
+    else:
+        stubber.add_client_error("get_service_quota", "NoSuchResourceException", expected_params=params)
+        stubber.add_response("get_aws_default_service_quota", quota, params)
+    stubber.activate()
+    aws.service_quotas = client
+    return stubber
+
+
+@pytest.fixture
+def dlami(aws) -> str:
+    ami = seed_image("x86_64", "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)")
+    aws.ssm.put_parameter(Name=DLAMI_PARAMETER, Value=ami, Type="String")
+    return ami
+
+
+def spec_with_image(**overrides):
+    return make_spec(image={"ssm_parameter": DLAMI_PARAMETER}, **overrides)
+
+
+def findings_of(report: preflight.PreflightReport, check_name: str) -> list[preflight.Finding]:
+    return [f for name, f in report.findings if name == check_name]
+
+
+def test_passing_preflight_reports_every_check(aws, dlami):
+    stubber = stub_quota(aws, 384)
+    lines = []
+    report = preflight.run_preflight(spec_with_image(node_count=4), aws, out=lines.append)
+    stubber.assert_no_pending_responses()
+    assert report.ok, report.failure_text()
+    status = {r.name: r.status for r in report.results}
+    assert status == {
+        "instance type offered in AZ": "pass", "instance type GPUs/EFA match catalog": "pass",
+        "service quota (vCPUs)": "pass", "AMI resolves (x86_64)": "pass", "key pair exists": "skip",
+        "existing VPC and subnets": "skip", "capacity reservation": "skip", "FSx S3 bucket": "skip",
+    }
+    assert f"[1/{len(preflight.CHECKS)}] instance type offered in AZ ..." in lines
+    assert any(dlami in line for line in lines)
+    assert "quota 384 vCPUs, 0 in use, cluster needs 384" in report.table()
+
+
+def test_every_failure_is_reported_at_once_with_its_fix(aws):
+    stub_quota(aws, 96)
+    spec = make_spec(instance_type="p4de.24xlarge", availability_zone="us-east-1a", node_count=4,
+                     image={"ami_id": "ami-0123456789abcdef0"}, access={"key_name": "missing-key"})
+    report = preflight.run_preflight(spec, aws, out=lambda _: None)
+    assert not report.ok
+    failed = {r.name for r in report.results if r.status == "fail"}
+    assert failed == {"instance type offered in AZ", "service quota (vCPUs)", "AMI resolves (x86_64)",
+                      "key pair exists"}
+
+    [offer] = findings_of(report, "instance type offered in AZ")
+    assert "p4de.24xlarge is not offered there" in offer.message
+    assert offer.fix.startswith("set availability_zone to one of us-east-1b")
+
+    [quota] = findings_of(report, "service quota (vCPUs)")
+    assert "need 384 vCPUs" in quota.message and "L-417A185B" in quota.message
+    assert "--desired-value 384" in quota.fix and "lower node_count to 1" in quota.fix
+
+    [ami] = findings_of(report, "AMI resolves (x86_64)")
+    assert "ami-0123456789abcdef0 does not exist" in ami.message and "image.ami_id" in ami.message
+
+    [key] = findings_of(report, "key pair exists")
+    assert "access.key_name missing-key" in key.message and "import-key-pair" in key.fix
+
+
+def test_quota_counts_instances_already_running(aws, dlami):
+    stub_quota(aws, 150)
+    aws.ec2.run_instances(ImageId=dlami, InstanceType="p4d.24xlarge", MinCount=1, MaxCount=1)
+    report = preflight.run_preflight(spec_with_image(node_count=1), aws, out=lambda _: None)
+    [quota] = findings_of(report, "service quota (vCPUs)")
+    assert "with 96 already in use" in quota.message
+    assert "at least 192 vCPUs" in quota.fix
+
+
+def test_spot_uses_the_spot_quota_and_its_default_value(aws, dlami):
+    stubber = stub_quota(aws, 768, code="L-7212CCBC", applied=False)
+    report = preflight.run_preflight(spec_with_image(capacity={"type": "spot"}), aws, out=lambda _: None)
+    stubber.assert_no_pending_responses()
+    assert report.ok, report.failure_text()
+
+
+def test_arm_image_is_refused(aws):
+    stub_quota(aws, 384)
+    arm = seed_image("arm64", "some arm64 image")
+    report = preflight.run_preflight(make_spec(image={"ami_id": arm}), aws, out=lambda _: None)
+    [finding] = findings_of(report, "AMI resolves (x86_64)")
+    assert "is arm64" in finding.message and "x86_64 image" in finding.fix
+
+
+def test_missing_ssm_parameter(aws):
+    stub_quota(aws, 384)
+    report = preflight.run_preflight(make_spec(image={"ssm_parameter": "/no/such/param"}), aws,
+                                     out=lambda _: None)
+    [finding] = findings_of(report, "AMI resolves (x86_64)")
+    assert "image.ssm_parameter /no/such/param" in finding.message
+    assert "get-parameters-by-path" in finding.fix
+
+
+def test_subnet_in_another_az_and_foreign_public_subnet(aws, dlami):
+    stub_quota(aws, 384)
+    vpc = aws.ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    other_vpc = aws.ec2.create_vpc(CidrBlock="10.1.0.0/16")["Vpc"]["VpcId"]
+    private = aws.ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.1.0/24", AvailabilityZone="us-east-1a")
+    public = aws.ec2.create_subnet(VpcId=other_vpc, CidrBlock="10.1.0.0/24", AvailabilityZone="us-east-1b")
+    spec = spec_with_image(network={"vpc_id": vpc, "private_subnet_id": private["Subnet"]["SubnetId"],
+                                    "public_subnet_id": public["Subnet"]["SubnetId"]})
+    report = preflight.run_preflight(spec, aws, out=lambda _: None)
+    az, foreign = findings_of(report, "existing VPC and subnets")
+    assert "is in us-east-1a, but the nodes go to us-east-1b" in az.message
+    assert az.fix == "give a subnet in us-east-1b, or set availability_zone: us-east-1a"
+    assert "network.public_subnet_id" in foreign.message and f"not {vpc}" in foreign.message
+
+
+def test_missing_vpc(aws, dlami):
+    stub_quota(aws, 384)
+    spec = spec_with_image(network={"vpc_id": "vpc-0abc1234", "private_subnet_id": "subnet-0abc1234"},
+                           access={"bastion": False})
+    report = preflight.run_preflight(spec, aws, out=lambda _: None)
+    [finding] = findings_of(report, "existing VPC and subnets")
+    assert "network.vpc_id vpc-0abc1234: no such VPC" in finding.message
+
+
+RID = "cr-0123456789abcdef0"
+
+
+def reservation(**overrides) -> dict:
+    res = {"CapacityReservationId": RID, "InstanceType": "p4d.24xlarge", "AvailabilityZone": "us-east-1b",
+           "State": "active", "ReservationType": "default", "TotalInstanceCount": 4,
+           "AvailableInstanceCount": 4}
+    res.update(overrides)
+    return res
+
+
+@pytest.mark.parametrize(("stored", "capacity_type", "message", "fix"), [
+    (reservation(InstanceType="p5.48xlarge"), "capacity-reservation",
+     f"instance_type p4d.24xlarge: reservation {RID} is for p5.48xlarge", "set instance_type: p5.48xlarge"),
+    (reservation(AvailabilityZone="us-east-1c"), "capacity-reservation",
+     f"availability_zone us-east-1b: reservation {RID} is in us-east-1c",
+     "set availability_zone: us-east-1c"),
+    (reservation(AvailableInstanceCount=1), "capacity-reservation",
+     f"node_count 2: reservation {RID} has 1 of 4 instances available", "lower node_count to 1"),
+    (reservation(ReservationType="capacity-block"), "capacity-reservation",
+     f"capacity.type capacity-reservation: {RID} is a Capacity Block", "set capacity.type: capacity-block"),
+    (reservation(), "capacity-block",
+     f"capacity.type capacity-block: {RID} is a capacity reservation",
+     "set capacity.type: capacity-reservation"),
+    (reservation(State="scheduled", ReservationType="capacity-block", StartDate="2027-01-04T11:30:00Z"),
+     "capacity-block", f"capacity.reservation_id {RID}: is scheduled (starts 2027-01-04", "wait until"),
+    (None, "capacity-reservation", f"capacity.reservation_id {RID}: no such reservation",
+     "describe-capacity-reservations"),
+])
+def test_reservation_problems(aws, dlami, stored, capacity_type, message, fix):
+    stub_quota(aws, 384)
+    extras = Ec2Extras(aws.ec2)
+    if stored:
+        extras.reservations[RID] = stored
+    spec = spec_with_image(capacity={"type": capacity_type, "reservation_id": RID})
+    report = preflight.run_preflight(spec, aws, out=lambda _: None)
+    found = findings_of(report, "capacity reservation")
+    assert len(found) == 1, found
+    assert found[0].message.startswith(message) and fix in found[0].fix
+
+
+def test_matching_capacity_block_passes(aws, dlami):
+    Ec2Extras(aws.ec2).reservations[RID] = reservation(ReservationType="capacity-block")
+    spec = spec_with_image(capacity={"type": "capacity-block", "reservation_id": RID})
+    report = preflight.run_preflight(spec, aws, out=lambda _: None)
+    assert report.ok, report.failure_text()
+    assert {r.name: r.status for r in report.results}["service quota (vCPUs)"] == "skip"
+
+
+def test_fsx_import_bucket_must_exist_in_the_region(aws, dlami):
+    stub_quota(aws, 384)
+    boto3.client("s3", region_name="eu-west-1").create_bucket(
+        Bucket="far-away-data", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    fsx = {"enabled": True, "s3_import_path": "s3://no-such-bucket-here/data",
+           "s3_export_path": "s3://no-such-bucket-here/data"}
+    report = preflight.run_preflight(spec_with_image(storage={"fsx": fsx}), aws, out=lambda _: None)
+    [missing] = findings_of(report, "FSx S3 bucket")
+    assert "bucket no-such-bucket-here does not exist" in missing.message and "aws s3 mb" in missing.fix
+
+    fsx["s3_import_path"] = fsx["s3_export_path"] = "s3://far-away-data/x"
+    report = preflight.run_preflight(spec_with_image(storage={"fsx": fsx}), aws, out=lambda _: None)
+    [far] = findings_of(report, "FSx S3 bucket")
+    assert "is in eu-west-1" in far.message and far.fix == "use a bucket in us-east-1"
+
+
+def test_access_denied_fails_only_its_check(aws, dlami):
+    client = boto3.client("service-quotas", region_name=REGION)
+    stubber = Stubber(client)
+    stubber.add_client_error("get_service_quota", "AccessDeniedException", "not allowed")
+    stubber.activate()
+    aws.service_quotas = client
+    report = preflight.run_preflight(spec_with_image(), aws, out=lambda _: None)
+    assert [r.name for r in report.results if r.status == "fail"] == ["service quota (vCPUs)"]
+    [finding] = findings_of(report, "service quota (vCPUs)")
+    assert "GetServiceQuota failed (AccessDeniedException" in finding.message
+    assert "allow the GetServiceQuota action" in finding.fix
+
+
+def test_missing_credentials_is_one_clear_error(monkeypatch, tmp_path):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", raising=False)
+    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", raising=False)
+    with pytest.raises(CommandError, match="no AWS credentials found for region us-east-1; configure"):
+        AwsClients.for_spec(make_spec())
+
+
+def test_cmd_preflight_prints_table_and_exits_non_zero(aws_env, tmp_path, capsys, monkeypatch):
+    quotas = boto3.client("service-quotas", region_name=REGION)
+    stubber = Stubber(quotas)
+    stubber.add_response("get_service_quota", {"Quota": {"Value": 768.0}})
+    stubber.activate()
+    monkeypatch.setattr(AwsClients, "service_quotas", property(lambda _: quotas))
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("name: pf\nregion: us-east-1\navailability_zone: us-east-1a\n"
+                         "instance_type: p4de.24xlarge\nnode_count: 2\nssh_cidr: 203.0.113.0/24\n")
+    assert cli.main(["preflight", str(spec_file)]) == 1
+    out, err = capsys.readouterr()
+    assert re.search(r"^instance type offered in AZ +FAIL +not offered in us-east-1a$", out, re.M)
+    assert "pre-flight failed" in err and "nothing was created" in err
+    assert "set availability_zone to one of us-east-1b, us-east-1c" in err
