@@ -40,6 +40,7 @@ class Registration:
     inputs: dict[str, Any]
     custom: bool
     id: str | None
+    urn: str | None = None
     component: str | None = None  # the enclosing ComponentResource type, from the URN
 
     @property
@@ -190,11 +191,11 @@ def run_offline(
     finally:
         asyncio.set_event_loop(None)
         loop.close()
-    components = {}
-    for urn in monitor.get_registered_resources():
-        components[(urn.split("::")[2].split("$")[-1], urn.rsplit("::", 1)[1])] = _component_of(urn)
+    urns = {(urn.split("::")[2].split("$")[-1], urn.rsplit("::", 1)[1]): urn
+            for urn in monitor.get_registered_resources()}
     for record in mocks.registrations:
-        record.component = components.get((record.type, record.name))
+        record.urn = urns.get((record.type, record.name))
+        record.component = _component_of(record.urn) if record.urn else None
     parsed = spec if isinstance(spec, ClusterSpec) else parse_spec(spec)
     return OfflinePlan(spec=parsed, expires_at=expires_at, mocks=mocks, outputs=outputs)
 

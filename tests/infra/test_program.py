@@ -212,6 +212,13 @@ def test_one_instance_per_node_with_a_stable_rank(demo_plan):
         assert not {"subnetId", "vpcSecurityGroupIds", "ami", "instanceType"} & instance.inputs.keys()
 
 
+def test_node_urn_names_exactly_one_node(demo_plan):
+    from infra.program import node_urn
+
+    for rank, instance in enumerate(nodes(demo_plan)):
+        assert instance.urn == node_urn("demo", demo_plan.spec, rank)
+
+
 # ---- identity ---------------------------------------------------------------------------------
 def test_node_role_has_ssm_and_only_the_checkpoint_bucket(demo_plan):
     m = demo_plan.mocks
