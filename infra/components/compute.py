@@ -115,9 +115,8 @@ class Compute(pulumi.ComponentResource):
                 "subnet_id": subnet_id,
                 "security_groups": [security_group_id],
                 "delete_on_termination": "true",
-                # Instances with several network cards cannot get a public IP; reach them through
-                # the bastion or SSM.
-                "associate_public_ip_address": "false",
+                # No associate_public_ip_address: RunInstances refuses it (even "false") with more
+                # than one interface. Nodes get no public IP; reach them through the bastion or SSM.
             }
             for slot in slots
         ]

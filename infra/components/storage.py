@@ -76,8 +76,9 @@ class Storage(pulumi.ComponentResource):
         # import/export paths on the file system itself.
         legacy_paths = {}
         if fsx.deployment_type != "PERSISTENT_2" and fsx.s3_import_path:
-            legacy_paths = {"import_path": fsx.s3_import_path,
-                            "export_path": fsx.s3_export_path or fsx.s3_import_path}
+            legacy_paths["import_path"] = fsx.s3_import_path
+            if fsx.s3_export_path:
+                legacy_paths["export_path"] = fsx.s3_export_path
         lustre = aws.fsx.LustreFileSystem(
             ctx.resource_name("fsx"),
             deployment_type=fsx.deployment_type,

@@ -169,7 +169,8 @@ def test_launch_template_settings(demo_plan):
     efa, private = m.named("demo-efa", SG), m.named("demo-private", SUBNET)
     for nic in inputs["networkInterfaces"]:
         assert nic["subnetId"] == private.id and nic["securityGroups"] == [efa.id]
-        assert nic["associatePublicIpAddress"] == "false" and nic["deleteOnTermination"] == "true"
+        assert nic["deleteOnTermination"] == "true"
+        assert "associatePublicIpAddress" not in nic  # refused by EC2 with several interfaces
     assert inputs["metadataOptions"]["httpTokens"] == "required"
     assert inputs["metadataOptions"]["httpPutResponseHopLimit"] in (1.0, 2.0)
     assert inputs["metadataOptions"]["httpEndpoint"] == "enabled"
@@ -310,6 +311,7 @@ def test_fsx_scratch_takes_s3_paths_on_the_file_system():
                                     "s3_import_path": "s3://acme-data/tokens"}})
     lustre = plan.mocks.one("aws:fsx/lustreFileSystem:LustreFileSystem").inputs
     assert lustre["importPath"] == "s3://acme-data/tokens" and "perUnitStorageThroughput" not in lustre
+    assert "exportPath" not in lustre  # export only when asked for
     assert "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation" not in plan.mocks.counts()
 
 
