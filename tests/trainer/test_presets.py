@@ -1,0 +1,47 @@
+"""The presets' parameter counts, computed from the config, match the model actually built (on the
+meta device: no memory) and the name on the tin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import load_config
+from trainer.model import build_model
+
+NOMINAL = {"gpt-1b": 1e9, "gpt-7b": 7e9, "gpt-20b": 20e9, "gpt-120b": 120e9}
+
+
+@pytest.mark.parametrize("name", sorted(NOMINAL))
+def test_preset_parameter_count(name):
+    cfg = load_config(name)
+    model = build_model(cfg.model)
+    built = sum(p.numel() for p in model.parameters())
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert built == cfg.model.num_params
+    assert abs(built / NOMINAL[name] - 1) < 0.05, f"{name}: {built / 1e9:.2f}B parameters"
+    assert model.tok_embeddings.weight.numel() == cfg.model.embedding_params
+
+
+def test_presets_follow_the_guide_defaults():
+    for name in NOMINAL:
+        cfg = load_config(name)
+        assert (cfg.training.global_batch_size, cfg.training.gradient_accumulation) == (4096, 16)
+        assert (cfg.optim.lr, cfg.optim.warmup_steps, cfg.checkpoint.interval) == (1e-5, 500, 1000)
+        assert cfg.parallel.param_dtype == "bf16" and cfg.parallel.reduce_dtype == "fp32"
+
+
+def test_flops_per_token_matches_palm_formula():
+    cfg = load_config("gpt-7b").model
+    seq = 2048
+    n_dense = cfg.num_params - cfg.vocab_size * cfg.dim
+    assert cfg.flops_per_token(seq) == 6 * n_dense + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq
+
+
+def test_built_model_runs_on_cpu():
+    cfg = load_config("tiny").model
+    model = build_model(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(0, buffer_device="cpu")
+    logits = model(torch.randint(cfg.vocab_size, (2, 16)))
+    assert logits.shape == (2, 16, cfg.vocab_size) and torch.isfinite(logits).all()
