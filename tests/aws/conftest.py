@@ -75,10 +75,18 @@ class Ec2Extras:
         self.reservations: dict[str, dict] = {}
         self.calls: list[str] = []
         events = client.meta.events
-        events.register("before-call.ec2.CreatePlacementGroup", self._create_pg)
-        events.register("before-call.ec2.DescribePlacementGroups", self._describe_pgs)
-        events.register("before-call.ec2.DeletePlacementGroup", self._delete_pg)
-        events.register("before-call.ec2.DescribeCapacityReservations", self._describe_reservations)
+        for operation, answer in (("CreatePlacementGroup", self._create_pg),
+                                  ("DescribePlacementGroups", self._describe_pgs),
+                                  ("DeletePlacementGroup", self._delete_pg),
+                                  ("DescribeCapacityReservations", self._describe_reservations)):
+            # before-call sees only the serialized request: keep the caller's parameters for it.
+            events.register(f"before-parameter-build.ec2.{operation}", self._keep_params)
+            events.register(f"before-call.ec2.{operation}",
+                            lambda context, answer=answer, **_: answer(context["fake_params"]))
+
+    @staticmethod
+    def _keep_params(params, context, **_):
+        context["fake_params"] = dict(params)
 
     @staticmethod
     def _ok(body: dict):
@@ -89,14 +97,14 @@ class Ec2Extras:
         return (AWSResponse(None, 400, {}, None), {"Error": {"Code": code, "Message": message},
                                                    "ResponseMetadata": {"HTTPStatusCode": 400}})
 
-    def _create_pg(self, params, **_):
+    def _create_pg(self, params):
         name = params["GroupName"]
         tags = [t for spec in params.get("TagSpecifications", []) for t in spec["Tags"]]
         self.placement_groups[name] = {"GroupName": name, "Strategy": params.get("Strategy", "cluster"),
                                        "State": "available", "Tags": tags}
         return self._ok({"PlacementGroup": self.placement_groups[name]})
 
-    def _describe_pgs(self, params, **_):
+    def _describe_pgs(self, params):
         groups = list(self.placement_groups.values())
         for f in params.get("Filters", []):
             if f["Name"].startswith("tag:"):
@@ -105,13 +113,13 @@ class Ec2Extras:
                                                    for t in g["Tags"])]
         return self._ok({"PlacementGroups": groups})
 
-    def _delete_pg(self, params, **_):
+    def _delete_pg(self, params):
         self.calls.append("DeletePlacementGroup")
         if self.placement_groups.pop(params["GroupName"], None) is None:
             return self._error("InvalidPlacementGroup.Unknown", f"{params['GroupName']} unknown")
         return self._ok({})
 
-    def _describe_reservations(self, params, **_):
+    def _describe_reservations(self, params):
         wanted = params.get("CapacityReservationIds") or list(self.reservations)
         missing = [r for r in wanted if r not in self.reservations]
         if missing:
