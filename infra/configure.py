@@ -1,0 +1,263 @@
+"""`fsdpctl configure`: run ansible/site.yml on the cluster's nodes through ansible-runner.
+
+Each run gets a private data dir (`runs/<time>-configure/` in the cluster's state dir) that also holds
+Ansible's home, temp files and SSH control sockets, so nothing is written under ~/.ansible. Progress is
+one line per task result; the end is a per-host recap and, on failure, which host failed which task
+and why. Ctrl-C or SIGTERM cancels the run cleanly (ansible-runner's cancel_callback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import os
+import signal
+import sys
+import threading
+from argparse import Namespace
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra import state as state_mod
+from infra.cli import CommandError
+from infra.inventory import write_inventory
+from infra.remote import close_control_masters, cluster_nodes
+from infra.state import ClusterState
+
+ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "ansible"
+PLAYBOOK = "site.yml"
+# Unix socket paths are limited to 108 bytes; Ansible appends a 10-character hash to the directory.
+MAX_CONTROL_DIR_LEN = 90
+DEFAULT_SKIP_REASON = "Conditional result was False"  # says nothing; other reasons are shown
+
+
+@dataclass
+class HostStats:
+    ok: int = 0  # as in Ansible's recap: includes the changed ones
+    changed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unreachable: int = 0
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    host: str
+    role: str
+    task: str
+    status: str  # ok | changed | skipped | failed | unreachable | ignored
+
+
+@dataclass(frozen=True)
+class TaskFailure:
+    host: str
+    task: str
+    message: str
+
+
+@dataclass
+class ConfigureResult:
+    status: str  # ansible-runner's: successful | failed | canceled | timeout
+    rc: int
+    run_dir: Path
+    hosts: dict[str, HostStats] = field(default_factory=dict)
+    failures: list[TaskFailure] = field(default_factory=list)
+    results: list[TaskResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "successful" and not self.failures
+
+    @property
+    def canceled(self) -> bool:
+        return self.status == "canceled"
+
+
+def parse_extra_vars(pairs: list[str]) -> dict[str, Any]:
+    """`-e key=value` pairs; values are read as YAML scalars, so 9000 is an int and true a bool."""
+    extra = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise CommandError(f"-e {pair!r} is not KEY=VALUE; write e.g. -e fsdp_mtu=9000")
+        extra[key.strip()] = yaml.safe_load(value) if value else ""
+    return extra
+
+
+def _failure_message(res: dict[str, Any]) -> str:
+    parts = [str(res[k]).strip() for k in ("msg", "stderr", "stdout") if res.get(k)]
+    if not parts and "rc" in res:
+        parts.append(f"exit status {res['rc']}")
+    message = " | ".join(parts) or "no message"
+    return message if len(message) <= 600 else message[:600] + " ..."
+
+
+def _result_from_display(text: str) -> dict[str, Any]:
+    """The result dict shown after `=>` in Ansible's display of an event; ansible-runner leaves `res`
+    out of skipped events, and that is where a role's skip reason is."""
+    _, sep, shown = text.replace("\r\n", "\n").partition("=>")
+    if not sep:
+        return {}
+    try:
+        parsed = yaml.safe_load(shown)
+    except yaml.YAMLError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+class _EventPrinter:
+    """ansible-runner event handler: one line per task result, plus the record for the result."""
+
+    STATUS = {"runner_on_ok": "ok", "runner_on_failed": "failed", "runner_on_skipped": "skipped",
+              "runner_on_unreachable": "unreachable"}
+
+    def __init__(self, out: Callable[[str], None]):
+        self.out = out
+        self.results: list[TaskResult] = []
+        self.failures: list[TaskFailure] = []
+        self.width = 20
+
+    def __call__(self, event: dict[str, Any]) -> bool:
+        status = self.STATUS.get(event.get("event", ""))
+        if status is None:
+            return True
+        data = event.get("event_data", {})
+        res = data.get("res") or _result_from_display(event.get("stdout", ""))
+        host, task, role = data.get("host", "?"), data.get("task", "?"), data.get("role") or ""
+        if status == "ok" and res.get("changed"):
+            status = "changed"
+        if status == "failed" and data.get("ignore_errors"):
+            status = "ignored"
+        self.results.append(TaskResult(host, role, task, status))
+        label = f"{role} : {task}" if role else task
+        line = f"  {status:<11} {host:<{self.width}} {label}"
+        if status in ("failed", "unreachable"):
+            message = _failure_message(res)
+            self.failures.append(TaskFailure(host, label, message))
+            line += f"\n      {message}"
+        elif status == "skipped" and res.get("skip_reason", DEFAULT_SKIP_REASON) != DEFAULT_SKIP_REASON:
+            line += f"  ({res['skip_reason']})"
+        self.out(line)
+        return True
+
+
+@contextlib.contextmanager
+def _cancel_on_signals() -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM set an event that ansible-runner polls (and keep it from taking the signals)."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _control_dir(run_dir: Path) -> Iterator[Path]:
+    """The run's SSH control-socket dir, reached through a short /tmp link when its path is too long."""
+    real = run_dir / "cp"
+    real.mkdir()
+    if len(str(real)) <= MAX_CONTROL_DIR_LEN:
+        yield real
+        return
+    link = Path("/tmp") / f"fsdpctl-cp-{hashlib.sha256(str(real).encode()).hexdigest()[:12]}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(real)
+    try:
+        yield link
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, limit: str | None = None,
+                  extra_vars: dict[str, Any] | None = None,
+                  out: Callable[[str], None] = print) -> ConfigureResult:
+    """Run the playbook on the cluster (excluded nodes left out) and return what happened per host."""
+    import ansible_runner
+
+    playbook = ANSIBLE_DIR / PLAYBOOK
+    if not playbook.exists():
+        raise CommandError(f"{playbook} does not exist: fsdpctl configure needs the repository's ansible/ "
+                           "directory (install fsdp-cluster from a checkout: pip install -e .)")
+    inventory = write_inventory(state)
+    run_dir = state.new_run_dir("configure")
+    ansible_home = run_dir / "ansible-home"
+    printer = _EventPrinter(out)
+    printer.width = max([len(node.name) for node in cluster_nodes(state)] or [4])
+    if isinstance(tags, list):
+        tags = ",".join(tags)
+    out(f"configure: {playbook} on {state.name} (run dir {run_dir})")
+    with _control_dir(run_dir) as control_dir, _cancel_on_signals() as stop:
+        envvars = {
+            # ansible-runner starts ansible-playbook by name: the one next to this Python.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+            "ANSIBLE_HOME": str(ansible_home),
+            "ANSIBLE_LOCAL_TEMP": str(ansible_home / "tmp"),
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control_dir),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        }
+        try:
+            runner = ansible_runner.run(
+                private_data_dir=str(run_dir), project_dir=str(ANSIBLE_DIR), playbook=PLAYBOOK,
+                inventory=str(inventory), envvars=envvars, extravars=extra_vars or None, tags=tags or None,
+                limit=limit, quiet=True, event_handler=printer, cancel_callback=stop.is_set,
+                ident="ansible")
+        finally:
+            close_control_masters(control_dir)
+    stats = runner.stats or {}
+    hosts: dict[str, HostStats] = {}
+    for key, attr in (("ok", "ok"), ("changed", "changed"), ("failures", "failed"), ("skipped", "skipped"),
+                      ("dark", "unreachable")):
+        for host, count in (stats.get(key) or {}).items():
+            setattr(hosts.setdefault(host, HostStats()), attr, count)
+    result = ConfigureResult(status=runner.status, rc=runner.rc, run_dir=run_dir,
+                             hosts=dict(sorted(hosts.items())), failures=printer.failures,
+                             results=printer.results)
+    state.update(last_configure={
+        "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "ok": result.ok,
+        "status": result.status, "run_dir": str(run_dir),
+        "hosts": {h: asdict(s) for h, s in result.hosts.items()},
+        "failures": [asdict(f) for f in result.failures]})
+    return result
+
+
+def print_summary(result: ConfigureResult, out: Callable[[str], None] = print) -> None:
+    width = max([len(h) for h in result.hosts] or [4])
+    out("\nRECAP")
+    for host, s in result.hosts.items():
+        out(f"{host:<{width}} ok={s.ok} changed={s.changed} failed={s.failed} skipped={s.skipped} "
+            f"unreachable={s.unreachable}")
+    if result.failures:
+        out("\nFAILED")
+        for failure in result.failures:
+            out(f"  {failure.host}: task [{failure.task}]: {failure.message}")
+
+
+def cmd_configure(args: Namespace) -> int:
+    state = state_mod.resolve(args.cluster)
+    result = run_configure(state, tags=args.tags, limit=args.limit,
+                           extra_vars=parse_extra_vars(args.extra_vars))
+    print_summary(result)
+    if result.canceled:
+        print(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` again "
+              f"(log: {result.run_dir})")
+        return 130
+    if not result.ok:
+        reason = "" if result.failures else f" (ansible-runner status {result.status}, rc {result.rc})"
+        print(f"configure failed{reason}; fix the cause and run `fsdpctl configure` again (it is "
+              f"idempotent). Full log: {result.run_dir / 'artifacts'}")
+        return 1
+    print(f"configure ok on {len(result.hosts)} host(s)")
+    return 0

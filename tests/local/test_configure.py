@@ -1,0 +1,133 @@
+"""The real playbook on two real local nodes through `fsdpctl configure`, checked from outside over SSH;
+then idempotence (a second run changes nothing) and a failing task named with its host."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from infra import remote
+from infra.configure import run_configure
+from infra.state import cluster_state
+from tests.local.conftest import REPO, fsdpctl, spec_file
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+NAME = "lnt-conf"
+NODES = [f"{NAME}-node0", f"{NAME}-node1"]
+ADDRESSES = ["198.18.1.2", "198.18.1.3"]
+GPU_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect")
+RECAP = re.compile(r"^(\S+) ok=(\d+) changed=(\d+) failed=(\d+) skipped=(\d+)", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def cluster(prerequisites, tmp_path_factory):
+    if not (REPO / "ansible/site.yml").exists():
+        pytest.fail("ansible/site.yml does not exist")
+    home = tmp_path_factory.mktemp("home")
+    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME)
+    try:
+        fsdpctl(home, "up", str(spec), "--target", "local")
+        yield home
+    finally:
+        fsdpctl(home, "down", "--cluster", NAME, check=False)
+
+
+@pytest.fixture(scope="module")
+def first_run(cluster):
+    """The first `fsdpctl configure`: (process result, recap per host)."""
+    result = fsdpctl(cluster, "configure", check=False)
+    recap = {m[0]: tuple(map(int, m[1:])) for m in RECAP.findall(result.stdout)}
+    return result, recap
+
+
+@pytest.fixture
+def state(cluster, monkeypatch):
+    monkeypatch.setenv("FSDPCTL_HOME", str(cluster))
+    return cluster_state(NAME)
+
+
+def test_configure_succeeds_with_progress_and_a_recap_per_host(first_run):
+    result, recap = first_run
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert set(recap) == set(NODES)
+    for host, (ok, changed, failed, _skipped) in recap.items():
+        assert failed == 0 and changed > 0 and ok >= changed, host
+    # progress: one line per task result, naming status, host and role : task
+    assert re.search(rf"^\s+changed\s+{NODES[0]}\s+network : ", result.stdout, re.MULTILINE)
+
+
+def test_mtu_9000_live_and_persisted(first_run, state):
+    for rank, r in remote.run_all(state, "cat /sys/class/net/eth0/mtu; "
+                                         "grep -rhs MTUBytes /etc/systemd/network/").items():
+        live, *persisted = r.stdout.split()
+        assert live == "9000", NODES[rank]
+        assert "MTUBytes=9000" in persisted, NODES[rank]
+
+
+def test_sysctl_drop_in_values_are_live(first_run, state):
+    # Keys a container can set (writable in the node's network namespace) must be live; the others
+    # are the host's and the role reports them as skipped.
+    script = r"""
+    f=/etc/sysctl.d/90-fsdp-network.conf; test -s $f || exit 9
+    grep -E '^net\.' $f | while IFS='=' read -r key value; do
+      key=$(echo $key); value=$(echo $value)
+      p=/proc/sys/$(echo $key | tr . /)
+      if [ -w "$p" ]; then echo "$key|$value|$(sysctl -n $key | tr -s '[:space:]' ' ' | sed 's/ $//')"; fi
+    done"""
+    for rank, r in remote.run_all(state, script).items():
+        rows = [line.split("|") for line in r.stdout.splitlines()]
+        assert len(rows) >= 3, (NODES[rank], r.stdout)
+        for key, wanted, live in rows:
+            assert " ".join(wanted.split()) == live, (NODES[rank], key)
+
+
+def test_limits_sshd_keepalive_and_hosts(first_run, state):
+    command = ("cat /etc/security/limits.d/90-fsdp-cluster.conf; echo ===; "
+               "sshd -T | grep -Ei '^clientalive'; echo ===; cat /etc/hosts")
+    for rank, r in remote.run_all(state, command).items():
+        limits, sshd, hosts = r.stdout.split("===")
+        assert re.search(r"^\*\s+hard\s+memlock\s+unlimited", limits, re.MULTILINE), NODES[rank]
+        settings = dict(line.split() for line in sshd.strip().splitlines())
+        assert settings["clientaliveinterval"] == "60" and settings["clientalivecountmax"] == "30"
+        for name, address in zip(NODES, ADDRESSES, strict=True):
+            line = rf"^{re.escape(address)}\s+.*\b{name}\b"
+            assert re.search(line, hosts, re.MULTILINE), (NODES[rank], name)
+
+
+def test_jumbo_ping_with_dont_fragment_crosses_between_nodes(first_run, state):
+    r = remote.run(state, 0, f"ping -c2 -W3 -M do -s 8972 {ADDRESSES[1]}", check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    back = remote.run(state, 1, f"ping -c1 -W3 -M do -s 8972 {ADDRESSES[0]}", check=False)
+    assert back.returncode == 0, back.stdout + back.stderr
+
+
+def test_gpu_roles_report_skipped_not_ok(first_run, state):
+    result, _ = first_run
+    for role in GPU_ROLES:
+        lines = [line for line in result.stdout.splitlines() if re.search(rf"\s{role} : ", line)]
+        statuses = {line.split()[0] for line in lines}
+        assert "skipped" in statuses, (role, lines)
+        assert not statuses & {"changed", "failed"}, (role, lines)
+        skip_lines = [line for line in lines if " : Skip " in line]
+        assert skip_lines and all(line.split()[0] == "skipped" for line in skip_lines), (role, lines)
+
+
+def test_second_configure_changes_nothing(first_run, state):
+    out: list[str] = []
+    result = run_configure(state, out=out.append)
+    assert result.ok, "\n".join(out[-40:])
+    assert set(result.hosts) == set(NODES)
+    assert {h: s.changed for h, s in result.hosts.items()} == dict.fromkeys(NODES, 0), "\n".join(
+        line for line in out if line.lstrip().startswith("changed"))
+
+
+def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
+    result = fsdpctl(cluster, "configure", "--tags", "network", "--limit", NODES[1],
+                     "-e", "fsdp_mtu=70000", check=False)
+    assert result.returncode == 1, result.stdout[-3000:]
+    failed = result.stdout.split("\nFAILED\n", 1)[1]
+    assert f"{NODES[1]}: task [network : " in failed
+    assert NODES[0] not in failed
+    assert "configure failed" in result.stdout
