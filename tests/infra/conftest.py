@@ -9,6 +9,7 @@ a spec variant takes well under a second after that.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,20 @@ def demo_data(**overrides: Any) -> dict[str, Any]:
     return data
 
 
+_PLANS: dict[str, OfflinePlan] = {}
+
+
 def plan_of(expires_at: str | None = EXPIRES_AT, **overrides: Any) -> OfflinePlan:
-    spec = parse_spec(demo_data(**overrides))
-    return run_offline(spec, expires_at if spec.expiry_hours else None)
+    """The offline plan of the demo spec with `overrides`. Plans are read-only results, so one per
+    distinct variant is kept for the session (each was built under its own fresh mocks and loop)."""
+    key = json.dumps([expires_at, overrides], sort_keys=True)
+    if key not in _PLANS:
+        spec = parse_spec(demo_data(**overrides))
+        _PLANS[key] = run_offline(spec, expires_at if spec.expiry_hours else None)
+    return _PLANS[key]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def demo_plan() -> OfflinePlan:
-    """The demo spec (4 x p4d, every default), planned once per module; tests only read it."""
+    """The demo spec (4 x p4d, every default); tests only read it."""
     return plan_of()

@@ -148,10 +148,10 @@ def test_stack_outputs(variant):
     json.dumps(outputs)  # plain data, as the Automation API returns it
 
 
-def _run_main_like_pulumi(tmp_path, cluster: dict) -> subprocess.CompletedProcess:
+def test_pulumi_runs_infra_main_with_the_stack_config_and_refuses_a_bad_one(tmp_path):
     """Run infra/__main__.py the way the Pulumi language host does (the directory as a script, so
     infra/ - not the repository root - is first on sys.path) with the stack config set, under the
-    recording mocks, in a fresh interpreter."""
+    recording mocks, in a fresh interpreter: once with the demo spec, once with a bad one."""
     script = tmp_path / "run_main.py"
     script.write_text(f"""
 import asyncio, json, runpy, sys
@@ -159,39 +159,30 @@ sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
 import pulumi
 from pulumi.runtime import settings
 from infra.plan import RecordingMocks
-asyncio.set_event_loop(asyncio.new_event_loop())
-pulumi.runtime.set_all_config({{
-    "fsdp-cluster:cluster": json.dumps({json.dumps(cluster)}),
-    "fsdp-cluster:expiresAt": {EXPIRES_AT!r},
-}})
-mocks = RecordingMocks()
-pulumi.runtime.set_mocks(mocks, project="fsdp-cluster", stack="demo", preview=False)
-try:
-    pulumi.runtime.test(lambda: runpy.run_path({str(REPO / 'infra')!r}, run_name="__main__"))()
-except Exception as e:
-    print("ERROR", type(e).__name__, str(e).replace(chr(10), " | "))
-print("EXPORTS", json.dumps(sorted(settings.get_root_resource().outputs)))
-print("REGISTERED", len(mocks.registrations))
+for cluster in ({json.dumps(demo_data())}, {json.dumps(demo_data(node_count=0, network={"mtu": 12000}))}):
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    pulumi.runtime.set_all_config({{"fsdp-cluster:cluster": json.dumps(cluster),
+                                   "fsdp-cluster:expiresAt": {EXPIRES_AT!r}}})
+    mocks = RecordingMocks()
+    pulumi.runtime.set_mocks(mocks, project="fsdp-cluster", stack="demo", preview=False)
+    try:
+        pulumi.runtime.test(lambda: runpy.run_path({str(REPO / 'infra')!r}, run_name="__main__"))()
+        print("OK", json.dumps(sorted(settings.get_root_resource().outputs), separators=(",", ":")),
+              len(mocks.registrations))
+    except Exception as e:
+        print("ERROR", type(e).__name__, len(mocks.registrations), str(e).replace(chr(10), " | "))
 """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                             cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def test_pulumi_runs_infra_main_with_the_stack_config(tmp_path):
-    result = _run_main_like_pulumi(tmp_path, demo_data())
-    assert "ERROR" not in result.stdout
-    exports = json.loads(result.stdout.split("EXPORTS ", 1)[1].splitlines()[0])
-    assert exports == sorted(OUTPUT_NAMES)
-    registered = int(result.stdout.split("REGISTERED ", 1)[1].split()[0])
-    assert registered == sum(EXPECTED_DEMO_COUNTS.values()) + 6  # + the six components
-
-
-def test_infra_main_reports_a_bad_config_as_a_clean_error_and_registers_nothing(tmp_path):
-    result = _run_main_like_pulumi(tmp_path, demo_data(node_count=0, network={"mtu": 12000}))
-    error = result.stdout.split("ERROR ", 1)[1].splitlines()[0]
-    assert error.startswith("RunError ")  # Pulumi prints a RunError's message without a traceback
-    assert "node_count" in error and "network.mtu" in error and "stack config fsdp-cluster:cluster" in error
-    assert "REGISTERED 0" in result.stdout
+    good, bad = result.stdout.splitlines()[-2:]
+    status, exports, registered = good.split(" ", 2)
+    assert status == "OK", good
+    assert json.loads(exports) == sorted(OUTPUT_NAMES)
+    assert int(registered) == sum(EXPECTED_DEMO_COUNTS.values()) + 6  # + the six components
+    # A bad config: a RunError (Pulumi prints its message without a traceback), nothing registered.
+    status, error_type, registered, message = bad.split(" ", 3)
+    assert (status, error_type, registered) == ("ERROR", "RunError", "0"), bad
+    assert "node_count" in message and "network.mtu" in message
+    assert "stack config fsdp-cluster:cluster" in message
