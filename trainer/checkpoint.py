@@ -528,8 +528,8 @@ class CheckpointManager:
         if self.rank != 0:
             return None
         size = sum(entry["size"] for per_rank in gathered for entry in per_rank.values())
-        self.log(f"checkpoint: saved {final} (step {step}, {size / 1e6:.1f} MB, {self.world_size} ranks) "
-                 f"in {time.monotonic() - started:.2f}s, training blocked {blocking:.2f}s")
+        self.log(f"checkpoint: saved {final} (step {step}, {size / 1e6:.1f} MB, world size "
+                 f"{self.world_size}) in {time.monotonic() - started:.2f}s, training blocked {blocking:.2f}s")
         return final
 
     def _write_manifest_and_rename(self, step: int, tmp: Path, final: Path,

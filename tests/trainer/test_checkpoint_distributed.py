@@ -12,7 +12,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from tests.trainer.test_checkpoint_worker import free_port, losses, reference_run, run_job, worker_env
-from trainer.checkpoint import committed_checkpoints, verify_checkpoint
+from trainer.checkpoint import S3Location, committed_checkpoints, read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -33,22 +33,6 @@ def flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_stop_at_5_resume_to_10_reproduces_the_straight_run(tmp_path: Path,
-                                                            reference: dict[int, float]) -> None:
-    metrics = tmp_path / "metrics.jsonl"
-    # blocking saves here; the reference run used the default async save
-    checkpoint = {"dir": str(tmp_path / "ckpt"), "interval": 2, "async_save": False}
-    run_job(2, steps=5, metrics=metrics, checkpoint=checkpoint)
-    manifest = json.loads((tmp_path / "ckpt" / "step_00000005" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2
-    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer_state_rank0.pt",
-            "trainer_state_rank1.pt"} <= set(manifest["files"])
-    log = run_job(2, steps=10, metrics=metrics, checkpoint=checkpoint)
-    assert "resumed from" in log and "step_00000005" in log
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, 11))
-    assert losses(metrics) == reference
-
-
 def test_resume_on_fewer_ranks_reshards(tmp_path: Path, reference_dir: Path,
                                         reference: dict[int, float]) -> None:
     # The worker's loss curve does not depend on the world size (fixed global batch, no dropout), so the
@@ -65,33 +49,40 @@ def test_resume_on_fewer_ranks_reshards(tmp_path: Path, reference_dir: Path,
     assert json.loads((tmp_path / "ckpt" / "step_00000008" / "manifest.json").read_text())["world_size"] == 1
 
 
-def test_corrupt_copies_are_skipped_down_to_the_s3_mirror(tmp_path: Path,
-                                                          reference: dict[int, float]) -> None:
+def test_corrupt_copies_are_skipped_down_to_the_s3_mirror(tmp_path: Path, reference_dir: Path,
+                                                          reference: dict[int, float],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
     server.start()
     try:
-        endpoint = f"http://127.0.0.1:{server._server.server_port}"
-        aws = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket="ckpts")
-        env = worker_env(**aws)
+        aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}",
+               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        for name, value in aws.items():
+            monkeypatch.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket="ckpts")
+        # The reference run's step-5 checkpoint: intact in S3, damaged in both file-system copies.
+        step5 = reference_dir / "ckpt" / "step_00000005"
+        S3Location("s3://ckpts/job").upload(step5, read_manifest(step5)[0])
+        for copy, damaged in (("ckpt", "__1_0.distcp"), ("mirror", ".metadata")):
+            shutil.copytree(step5, tmp_path / copy / step5.name)
+            flip_byte(tmp_path / copy / step5.name / damaged)
         checkpoint = {"dir": str(tmp_path / "ckpt"), "interval": 3, "mirror_dir": str(tmp_path / "mirror"),
                       "mirror_s3": "s3://ckpts/job", "keep_last": 2}
         metrics = tmp_path / "metrics.jsonl"
-        log = run_job(2, steps=6, metrics=metrics, checkpoint=checkpoint, env=env)
-        assert "mirrored step_00000006 to s3://ckpts/job/step_00000006, verified" in log
-        assert [s for s, _ in committed_checkpoints(tmp_path / "mirror")] == [6, 3]
-        # the newest checkpoint is damaged in both file-system copies; S3 still holds a good one
-        flip_byte(tmp_path / "ckpt" / "step_00000006" / "__1_0.distcp")
-        flip_byte(tmp_path / "mirror" / "step_00000006" / ".metadata")
-        assert any("__1_0.distcp" in p for p in verify_checkpoint(tmp_path / "ckpt" / "step_00000006"))
-        log = run_job(2, steps=10, metrics=metrics, checkpoint=checkpoint, env=env)
+        log = run_job(2, steps=10, metrics=metrics, checkpoint=checkpoint, env=worker_env(**aws))
+        s3_names = S3Location("s3://ckpts/job").checkpoints()
     finally:
         server.stop()
-    assert "NOT loading" in log
-    assert f"{tmp_path}/ckpt/step_00000006: __1_0.distcp: SHA256 mismatch" in log
-    assert f"{tmp_path}/mirror/step_00000006: .metadata: SHA256 mismatch" in log
-    assert "downloading s3://ckpts/job/step_00000006" in log
-    assert "resumed from" in log and "step_00000006.from-s3.tmp (step 6)" in log
-    assert losses(metrics) == reference
+    assert f"NOT loading {tmp_path}/ckpt/step_00000005 (primary copy)" in log
+    assert f"{tmp_path}/ckpt/step_00000005: __1_0.distcp: SHA256 mismatch" in log
+    assert f"{tmp_path}/mirror/step_00000005: .metadata: SHA256 mismatch" in log
+    assert "downloading s3://ckpts/job/step_00000005" in log
+    assert "step_00000005.from-s3.tmp (step 5)" in log
+    assert losses(metrics) == {step: reference[step] for step in range(6, 11)}
+    # the resumed run keeps mirroring, verified, to both second copies
+    assert "mirrored step_00000010 to s3://ckpts/job/step_00000010, verified" in log
+    assert [s for s, _ in committed_checkpoints(tmp_path / "mirror")] == [10, 9]
+    assert s3_names == ([(10, "step_00000010"), (9, "step_00000009"), (6, "step_00000006"),
+                         (5, "step_00000005")], [])
+    assert not (tmp_path / "ckpt" / "step_00000005.from-s3.tmp").exists()
