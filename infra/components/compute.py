@@ -105,8 +105,9 @@ class Compute(pulumi.ComponentResource):
                          instance_profile_arn: pulumi.Input[str],
                          key_name: pulumi.Input[str] | None) -> aws.ec2.LaunchTemplate:
         spec = ctx.spec
+        # By exact id (a safe filter); deprecated images included, as a pinned DLAMI ages.
         root_device = aws.ec2.get_ami(filters=[{"name": "image-id", "values": [self.requested_ami]}],
-                                      opts=ctx.invoke_options()).root_device_name
+                                      include_deprecated=True, opts=ctx.invoke_options()).root_device_name
         interfaces = [
             {
                 "network_card_index": slot.network_card_index,

@@ -187,6 +187,7 @@ def test_launch_template_settings(demo_plan):
     assert all(tags[CLUSTER_TAG] == "demo" and tags[EXPIRES_TAG] == EXPIRES_AT for tags in tagged.values())
     ami_lookup = [lk for lk in m.lookups if lk.token == "aws:ec2/getAmi:getAmi"]
     assert ami_lookup[0].args["filters"] == [{"name": "image-id", "values": [inputs["imageId"]]}]
+    assert ami_lookup[0].args["includeDeprecated"] is True  # a pinned image may be deprecated later
     assert inputs["updateDefaultVersion"] is True
 
 
