@@ -506,28 +506,43 @@ class CheckpointManager:
 
     def _finish_save(self, step: int, tmp: Path, final: Path, started: float, blocking: float,
                      future: Any) -> None:
-        future.result()
-        committed = self._commit(step, tmp, final, started, blocking)
+        try:
+            future.result()
+            failure = None
+        except Exception as exc:
+            failure = f"rank {self.rank}: writing its shards failed: {type(exc).__name__}: {exc}"
+        committed = self._commit(step, tmp, final, started, blocking, failure)
         if committed is not None:
             self._after_commit(committed)
 
-    def _commit(self, step: int, tmp: Path, final: Path, started: float, blocking: float) -> Path | None:
-        """Collective: every rank hashes its own files, rank 0 writes the manifest and renames."""
-        own = {file.name: {"sha256": _sha256(file), "size": file.stat().st_size}
-               for file in _rank_files(tmp, self.rank)}
-        gathered = self._group.gather(own, self.rank, self.world_size)
+    def _commit(self, step: int, tmp: Path, final: Path, started: float, blocking: float,
+                failure: str | None = None) -> Path | None:
+        """Collective: every rank hashes its own files, rank 0 writes the manifest and renames. A rank
+        that failed still takes part, so that no rank waits forever for it, and nothing is committed."""
+        own: dict[str, Any] = {}
+        if failure is None:
+            try:
+                own = {file.name: {"sha256": _sha256(file), "size": file.stat().st_size}
+                       for file in _rank_files(tmp, self.rank)}
+            except OSError as exc:
+                failure = f"rank {self.rank}: hashing its files failed: {exc}"
+        gathered = self._group.gather((own, failure), self.rank, self.world_size)
         error = None
         if self.rank == 0:
+            failures = [failed for _, failed in gathered if failed]
             try:
-                self._write_manifest_and_rename(step, tmp, final, gathered)
+                if failures:
+                    raise CheckpointError("; ".join(failures))
+                self._write_manifest_and_rename(step, tmp, final, [files for files, _ in gathered])
             except Exception as exc:
-                error = f"checkpoint step {step} in {tmp} was not committed: {type(exc).__name__}: {exc}"
+                error = (f"checkpoint step {step} in {tmp} was not committed (the next save removes it): "
+                         f"{type(exc).__name__}: {exc}")
         error = self._group.broadcast(error)
         if error:
             raise CheckpointError(error)
         if self.rank != 0:
             return None
-        size = sum(entry["size"] for per_rank in gathered for entry in per_rank.values())
+        size = sum(entry["size"] for files, _ in gathered for entry in files.values())
         self.log(f"checkpoint: saved {final} (step {step}, {size / 1e6:.1f} MB, world size "
                  f"{self.world_size}) in {time.monotonic() - started:.2f}s, training blocked {blocking:.2f}s")
         return final

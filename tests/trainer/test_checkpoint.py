@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import boto3
@@ -307,3 +308,24 @@ def test_cli_verify_and_list(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert ckpt.main(["verify", str(tmp_path / "nothing")]) == 2
     os.makedirs(tmp_path / "empty")
     assert ckpt.main(["verify", str(tmp_path / "empty")]) == 1
+
+
+def test_failed_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_async_save(*_args, **_kwargs) -> Future:
+        future: Future = Future()
+        future.set_exception(OSError("No space left on device"))
+        return future
+
+    job = Job()
+    mgr = manager(tmp_path, Log())
+    monkeypatch.setattr(ckpt.dcp, "async_save", failing_async_save)
+    mgr.save(2, job.model, job.optimizer, job.extra)
+    with pytest.raises(CheckpointError, match=r"step 2 .* not committed.*No space left on device"):
+        mgr.wait()
+    root = tmp_path / "ckpt"
+    assert ckpt.committed_checkpoints(root) == []
+    assert [p.name for p in ckpt.interrupted_saves(root)] == ["step_00000002.tmp"]
+    monkeypatch.undo()
+    log = Log()
+    _, step = resume(tmp_path, log)
+    assert step == 0 and log.mentions("ignoring", "step_00000002.tmp")
