@@ -86,7 +86,7 @@ class RecordingMocks:
         self.lookups: list[Lookup] = []
         self.by_id: dict[str, Registration] = {}
 
-    # pulumi.runtime.Mocks interface (duck-typed: the base class is abstract only for these two)
+    # The pulumi.runtime.Mocks interface, duck-typed so this module imports pulumi only when planning.
     def new_resource(self, args: Any) -> tuple[str | None, dict[str, Any]]:
         custom = bool(args.custom)
         resource_id = placeholder(args.name, "id") if custom else None
@@ -305,7 +305,14 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
     lines: list[CostLine] = []
 
     def price(value: Any) -> float | None:
-        return None if value is None else float(value)
+        if value is None:
+            return None
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            from infra.cli import CommandError
+
+            raise CommandError(f"price table: {value!r} is not a number; fix the --prices file") from None
 
     ebs_gib = 0.0
     nodes_by_template = Counter()
@@ -382,7 +389,8 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 "EBS gp3 root volumes",
                 ebs_gib,
                 "GiB-hour",
-                None if gp3 is None else float(gp3) / hours_per_month,
+                None if gp3 is None else price(gp3) / hours_per_month,
+                "" if gp3 is not None else missing,
             )
         )
     for lustre in mocks.of_type("aws:fsx/lustreFileSystem:LustreFileSystem"):
@@ -396,7 +404,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 f"FSx for Lustre {dtype}" + (f" {int(tput)} MB/s/TiB" if tput else ""),
                 gib,
                 "GiB-hour",
-                None if tier is None else float(tier) / hours_per_month,
+                None if tier is None else price(tier) / hours_per_month,
                 "" if tier is not None else missing,
             )
         )
