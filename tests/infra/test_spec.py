@@ -120,3 +120,14 @@ def test_expiry_time_is_required_when_expiry_is_on_and_nothing_is_registered():
     with pytest.raises(SpecError, match="ISO 8601 UTC"):
         run_offline(demo_data(), "2026-12-03 13:00 +0200", mocks=recorder)
     assert recorder.registrations == []
+
+
+def test_spec_round_trips_through_the_stack_config_object():
+    """`fsdpctl up` stores the spec as a JSON object in `fsdp-cluster:cluster`; the program must read
+    back exactly the same spec, every default included."""
+    import json
+
+    spec = parse_spec(demo_data(capacity={"type": "spot", "spot_max_price": 12.5}, tags={"team": "llm"},
+                                storage={"fsx": {"enabled": True, "s3_import_path": "s3://acme-data/x"}}))
+    config_object = json.loads(json.dumps(spec.model_dump(mode="json")))
+    assert parse_spec(config_object) == spec
