@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import io
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import tomllib
@@ -101,13 +100,9 @@ class NodePlatform:
 @dataclass(frozen=True)
 class Bundle:
     key: str
-    directory: Path  # operator side: the wheels, constraints.txt
+    directory: Path  # operator side: the wheels, constraints.txt, .complete
     trainer_wheel: str  # file name inside the bundle
     includes_torch: bool
-
-    @property
-    def tarball(self) -> Path:
-        return self.directory.with_suffix(".tar")
 
 
 def _log(message: str) -> None:
@@ -215,21 +210,17 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
     directory = root / f"bundle-{key}"
     bundle = Bundle(key=key, directory=directory, trainer_wheel=wheels[0].name,
                     includes_torch=torch_pin is not None)
-    if not bundle.tarball.exists():
-        # Bundles are cheap to remake from the cached parts; keep one on disk.
-        for old in root.glob("bundle-*.tar"):
-            old.unlink()
-        tmp = bundle.tarball.with_suffix(".tar.partial")
-        with tarfile.open(tmp, "w") as tar:
-            for path in [*sorted(wheelhouse.glob("*.whl")), wheels[0]]:
-                tar.add(path, arcname=path.name)
-            constraints = (torch_pin or "") + "\n"
-            info = tarfile.TarInfo("constraints.txt")
-            info.size = len(constraints)
-            tar.addfile(info, fileobj=io.BytesIO(constraints.encode()))
-        tmp.rename(bundle.tarball)
-    size_mb = bundle.tarball.stat().st_size / 1e6
-    _log(f"bundle {key}: {len(list(wheelhouse.glob('*.whl'))) + 1} wheels, {size_mb:.0f} MB")
+    if not (directory / ".complete").exists():
+        # Bundles are cheap to remake from the cached parts (hard links): keep one on disk.
+        for stale in root.glob("bundle-*"):
+            shutil.rmtree(stale)
+        directory.mkdir(parents=True)
+        for path in [*wheelhouse.glob("*.whl"), wheels[0]]:
+            os.link(path, directory / path.name)
+        (directory / "constraints.txt").write_text((torch_pin or "") + "\n")
+        (directory / ".complete").touch()
+    size_mb = sum(p.stat().st_size for p in directory.glob("*.whl")) / 1e6
+    _log(f"bundle {key}: {len(list(directory.glob('*.whl')))} wheels, {size_mb:.0f} MB")
     return bundle
 
 
@@ -299,9 +290,9 @@ if [ ! -x "$venv/bin/python" ]; then
   mkdir -p "$(dirname "$venv")"
   python3 -m venv $flags "$venv"
 fi
-"$venv/bin/pip" install -q --no-index --find-links {q(bundle_dir)} -c {q(bundle_dir + '/constraints.txt')} \\
+"$venv/bin/pip" install -q --no-compile --no-index --find-links {q(bundle_dir)} -c {q(bundle_dir + '/constraints.txt')} \\
   {q(wheel + '[trainer]')}
-"$venv/bin/pip" install -q --no-index --no-deps --force-reinstall {q(wheel)}
+"$venv/bin/pip" install -q --no-compile --no-index --no-deps --force-reinstall {q(wheel)}
 "$venv/bin/python" -c 'import torch, trainer; print("torch", torch.__version__)'
 echo {q(bundle.key)} > "$venv/.fsdp-bundle"
 """
@@ -313,12 +304,13 @@ def _upload(state: ClusterState, rank: int, bundle: Bundle, bundle_dir: str) -> 
                       check=False)
     if done.returncode == 0:
         return "cached"
-    remote_tar = f"/tmp/fsdp-bundle-{bundle.key}.tar"
-    remote.copy_to(state, rank, bundle.tarball, remote_tar)
     q = shlex.quote
-    remote.run(state, rank, f"set -e; rm -rf {q(bundle_dir)}; mkdir -p {q(bundle_dir)}; "
-               f"tar -xf {q(remote_tar)} -C {q(bundle_dir)}; rm -f {q(remote_tar)}; "
-               f"touch {q(bundle_dir)}/.complete", timeout=INSTALL_TIMEOUT_S)
+    # Unpack beside the final place, then rename: a half-copied bundle is never taken for complete.
+    partial = f"{bundle_dir}.partial"
+    remote.run(state, rank, f"rm -rf {q(partial)}", timeout=PROBE_TIMEOUT_S)
+    remote.copy_to(state, rank, bundle.directory, partial)
+    remote.run(state, rank, f"set -e; rm -rf {q(bundle_dir)}; mv {q(partial)} {q(bundle_dir)}",
+               timeout=PROBE_TIMEOUT_S)
     return "uploaded"
 
 

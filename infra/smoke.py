@@ -144,9 +144,17 @@ class TorchrunJob:
                 log.close()
         return codes
 
-    def kill_workers(self, rank: int) -> None:
-        """SIGKILL the training processes (the agent's children) on one node: a crashed worker."""
-        remote.run(self.state, rank, f"pkill -KILL -P $(cat {self.pidfile})", timeout=NODE_TIMEOUT_S)
+    def worker_pids(self, rank: int) -> set[int]:
+        """The pids of the training processes (the agent's children) on one node."""
+        proc = remote.run(self.state, rank, f"pgrep -P $(cat {self.pidfile})", timeout=NODE_TIMEOUT_S,
+                          check=False)
+        return {int(p) for p in proc.stdout.split() if p.isdigit()}
+
+    def kill_workers(self, rank: int) -> set[int]:
+        """SIGKILL the training processes on one node (a crashed worker); returns their pids."""
+        proc = remote.run(self.state, rank, f"pids=$(pgrep -P $(cat {self.pidfile})) && kill -KILL $pids "
+                          "&& echo $pids", timeout=NODE_TIMEOUT_S)
+        return {int(p) for p in proc.stdout.split() if p.isdigit()}
 
     def stop(self) -> None:
         """Stop every agent (it stops its workers) and the local ssh processes."""
@@ -466,7 +474,7 @@ def check_recovery(ctx: SmokeContext, result: CheckResult) -> None:
     elif facts["last_step"] != steps:
         result.fail(f"the run stopped at step {facts['last_step']} of {steps}")
     else:
-        result.summary = (f"killed node {victim}'s workers at step {facts['killed_at_step']}; training "
+        result.summary = (f"killed node {victim}'s workers after step {facts['killed_after_step']}; training "
                           f"continued from step {facts['resumed_at_step']} after "
                           f"{facts['recovery_time_s']:.1f} s; completed {steps} steps")
 
@@ -474,14 +482,17 @@ def check_recovery(ctx: SmokeContext, result: CheckResult) -> None:
 def _kill_and_time_recovery(ctx: SmokeContext, job: TorchrunJob, victim: int, metrics: str,
                             interval: int) -> dict[str, Any]:
     """Wait for a checkpoint and a step after it, kill the victim's workers, and time the recovery:
-    from the kill to the first metrics line whose step does not exceed the steps already seen (the
-    restarted workers recompute from the last checkpoint)."""
+    from the kill to the first metrics line written by the restarted workers.
+
+    Lines the old workers were still writing when the kill landed must not count: torchrun starts
+    new workers only after a new rendezvous round, which every agent joins only after stopping its
+    old workers; so once the victim has new worker pids, every later metrics line is the new
+    workers'."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    seen_max = 0
     while True:
         lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
-        seen_max = max([seen_max, *(r["step"] for r in lines)])
-        if seen_max > interval and seen_max % interval:
+        last_step = lines[-1]["step"] if lines else 0
+        if last_step > interval and last_step % interval:
             break
         if any(code is not None for code in job.poll().values()):
             raise SmokeError("the run ended before a checkpoint was written: "
@@ -489,21 +500,24 @@ def _kill_and_time_recovery(ctx: SmokeContext, job: TorchrunJob, victim: int, me
         if time.monotonic() > deadline:
             raise SmokeError(f"no step after the first checkpoint within {RUN_TIMEOUT_S} s")
         time.sleep(POLL_S)
-    job.kill_workers(victim)
+    killed_pids = job.kill_workers(victim)
     killed = time.monotonic()
-    _log(f"recovery: killed the workers on node {victim} at step {seen_max}")
-    examined = len(lines)
+    _log(f"recovery: killed the workers on node {victim} (pids {sorted(killed_pids)}) after step {last_step}")
+    lines_before_restart: int | None = None
+    restart_s = None
     while time.monotonic() - killed < RECOVERY_TIMEOUT_S:
-        lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
-        if len(lines) < examined:  # the restarted trainer rewrote the file
-            examined = 0
-        for row in lines[examined:]:
-            if row["step"] <= seen_max:
-                return {"victim_node": victim, "killed_at_step": seen_max, "resumed_at_step": row["step"],
+        if lines_before_restart is None:
+            if job.worker_pids(victim) - killed_pids:
+                restart_s = time.monotonic() - killed
+                lines_before_restart = len(step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics)))
+        else:
+            lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+            if len(lines) > lines_before_restart:
+                return {"victim_node": victim, "killed_after_step": last_step,
+                        "resumed_at_step": lines[lines_before_restart]["step"],
+                        "workers_restarted_after_s": round(restart_s, 2),
                         "recovery_time_s": round(time.monotonic() - killed, 2),
                         "checkpoint_interval": interval, "poll_interval_s": POLL_S}
-            seen_max = max(seen_max, row["step"])
-        examined = len(lines)
         if all(code is not None for code in job.poll().values()):
             raise SmokeError("the job exited after the kill instead of restarting: "
                              + (job.failure({r: c or 0 for r, c in job.poll().items()}) or "no error"))
