@@ -186,3 +186,12 @@ for cluster in ({json.dumps(demo_data())}, {json.dumps(demo_data(node_count=0, n
     assert (status, error_type, registered) == ("ERROR", "RunError", "0"), bad
     assert "node_count" in message and "network.mtu" in message
     assert "stack config fsdp-cluster:cluster" in message
+
+
+def test_pulumi_project_file():
+    import yaml
+
+    project = yaml.safe_load((REPO / "Pulumi.yaml").read_text())
+    assert project["name"] == "fsdp-cluster"
+    assert project["runtime"] == {"name": "python", "options": {"toolchain": "pip", "virtualenv": ".venv"}}
+    assert project["main"] == "infra/" and (REPO / "infra" / "__main__.py").is_file()
