@@ -28,11 +28,6 @@ FSX_WAIT_SECONDS = 30 * 60
 NAT_WAIT_SECONDS = 10 * 60
 
 
-def schedule_group_name(cluster: str) -> str:
-    """The expiry schedule group (it matches infra/components/expiry.py, which imports pulumi_aws)."""
-    return f"fsdp-cluster-{cluster}"
-
-
 @dataclass(frozen=True)
 class Leftover:
     kind: str
@@ -106,6 +101,8 @@ def _wait_until(done: Callable[[], bool], timeout_s: float, what: str, out: Out)
 
 # ---- schedule group ------------------------------------------------------------------------------
 def _find_schedule_group(aws: AwsClients, cluster: str) -> list[Leftover]:
+    from infra.components.expiry import schedule_group_name
+
     name = schedule_group_name(cluster)
     try:
         group = aws.scheduler.get_schedule_group(Name=name)

@@ -8,6 +8,7 @@ from functools import cache
 import boto3
 import pytest
 from botocore.awsrequest import AWSResponse
+from botocore.stub import Stubber
 from moto import mock_aws
 from moto.core import DEFAULT_ACCOUNT_ID
 from moto.ec2.models import ec2_backends
@@ -55,6 +56,18 @@ def _shared_session() -> boto3.Session:
 @pytest.fixture
 def aws(aws_env) -> AwsClients:
     return AwsClients(_shared_session())
+
+
+@pytest.fixture
+def stub_quotas(monkeypatch):
+    """Every AwsClients bundle answers the EC2 P-instance quota (moto has no EC2 quotas) with 768
+    vCPUs; returns the Stubber so a test can assert the request was made."""
+    client = boto3.client("service-quotas", region_name=REGION)
+    stubber = Stubber(client)
+    stubber.add_response("get_service_quota", {"Quota": {"Value": 768.0}})
+    stubber.activate()
+    monkeypatch.setattr(AwsClients, "service_quotas", property(lambda _: client))
+    return stubber
 
 
 def make_spec(**overrides):

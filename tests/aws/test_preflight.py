@@ -238,12 +238,7 @@ def test_missing_credentials_is_one_clear_error(monkeypatch, tmp_path):
         AwsClients.for_spec(make_spec())
 
 
-def test_cmd_preflight_prints_table_and_exits_non_zero(aws_env, tmp_path, capsys, monkeypatch):
-    quotas = boto3.client("service-quotas", region_name=REGION)
-    stubber = Stubber(quotas)
-    stubber.add_response("get_service_quota", {"Quota": {"Value": 768.0}})
-    stubber.activate()
-    monkeypatch.setattr(AwsClients, "service_quotas", property(lambda _: quotas))
+def test_cmd_preflight_prints_table_and_exits_non_zero(aws_env, stub_quotas, tmp_path, capsys):
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text("name: pf\nregion: us-east-1\navailability_zone: us-east-1a\n"
                          "instance_type: p4de.24xlarge\nnode_count: 2\nssh_cidr: 203.0.113.0/24\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infra.aws import sweep
+from infra.components.expiry import schedule_group_name
 from infra.spec import CLUSTER_TAG
 
 from .conftest import Ec2Extras, seed_image
@@ -77,7 +78,7 @@ def plant_cluster(aws, extras: Ec2Extras) -> dict[str, str]:
         FileSystemType="LUSTRE", StorageCapacity=1200, SubnetIds=[private], SecurityGroupIds=[nodes_sg],
         LustreConfiguration={"DeploymentType": "PERSISTENT_2", "PerUnitStorageThroughput": 250},
         Tags=tags())["FileSystem"]["FileSystemId"]
-    aws.scheduler.create_schedule_group(Name=sweep.schedule_group_name(CLUSTER), Tags=[
+    aws.scheduler.create_schedule_group(Name=schedule_group_name(CLUSTER), Tags=[
         {"Key": CLUSTER_TAG, "Value": CLUSTER}])
     return {"vpc": vpc, "nat": nat, "eip": eip, "nodes_sg": nodes_sg, "bastion_sg": bastion_sg,
             "eni": eni["NetworkInterface"]["NetworkInterfaceId"], "volume": volume["VolumeId"], "fsx": fs,

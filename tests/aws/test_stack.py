@@ -1,0 +1,231 @@
+"""The Automation API wrapper without the pulumi CLI (it cannot be installed here): the missing-CLI
+error, that `up` touches nothing when pre-flight fails, the stack config, the SSH key, and the
+outputs -> state mapping."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from pulumi import automation as auto
+
+from infra import state as state_mod
+from infra.aws import stack
+from infra.cli import CommandError
+from infra.program import EXPIRES_AT_KEY
+from infra.spec import CLUSTER_TAG, PULUMI_CONFIG_KEY
+
+from .conftest import Ec2Extras, make_spec
+
+
+@pytest.fixture
+def fsdpctl_home(tmp_path, monkeypatch) -> Path:
+    home = tmp_path / "fsdpctl-home"
+    monkeypatch.setenv("FSDPCTL_HOME", str(home))
+    monkeypatch.setenv("HOME", str(tmp_path / "user-home"))
+    (tmp_path / "user-home").mkdir()
+    return home
+
+
+@pytest.fixture
+def no_pulumi(monkeypatch, fsdpctl_home):
+    monkeypatch.setenv("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    assert stack.shutil.which("pulumi") is None
+
+
+@pytest.fixture
+def fake_pulumi(tmp_path, monkeypatch, fsdpctl_home) -> Path:
+    """A `pulumi` that answers `version` (the Automation API asks first) and logs and refuses
+    everything else: any stack operation shows up in the log."""
+    log = tmp_path / "pulumi-calls.log"
+    binary = tmp_path / "pulumi-root" / "bin" / "pulumi"
+    binary.parent.mkdir(parents=True)
+    binary.write_text('#!/bin/sh\necho "$@" >> "$FAKE_PULUMI_LOG"\n'
+                      'if [ "$1" = version ]; then echo v3.272.0; exit 0; fi\n'
+                      'echo "fake pulumi refuses: $*" >&2; exit 1\n')
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("FAKE_PULUMI_LOG", str(log))
+    monkeypatch.setenv("PATH", f"{binary.parent}:/usr/bin:/bin")
+    return log
+
+
+def new_state(tmp_path, spec) -> state_mod.ClusterState:
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
+    return state_mod.create(spec_file, spec, "aws")
+
+
+def test_up_without_pulumi_cli_says_how_to_install_it(no_pulumi, tmp_path):
+    spec = make_spec()
+    with pytest.raises(CommandError) as err:
+        stack.up(new_state(tmp_path, spec), spec)
+    message = str(err.value)
+    assert "the pulumi CLI is not installed" in message
+    assert "curl -fsSL https://get.pulumi.com | sh" in message and stack.PULUMI_DOCS in message
+    assert "Nothing was created" in message
+
+
+def test_installer_location_is_found_without_path(no_pulumi, fake_pulumi, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    installed = Path(os.environ["HOME"]) / ".pulumi"
+    (fake_pulumi.parent / "pulumi-root").rename(installed)
+    command = stack.pulumi_command()
+    assert command.command == str(installed / "bin" / "pulumi")
+
+
+def test_up_creates_nothing_when_preflight_fails(fake_pulumi, aws, stub_quotas, tmp_path, monkeypatch):
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: aws))
+    spec = make_spec(instance_type="p4de.24xlarge", availability_zone="us-east-1a")
+    state = new_state(tmp_path, spec)
+    lines = []
+    with pytest.raises(CommandError) as err:
+        stack.up(state, spec, out=lines.append)
+    message = str(err.value)
+    assert message.startswith("pre-flight failed, nothing was created:")
+    assert "set availability_zone to one of us-east-1b, us-east-1c" in message
+    assert "[1/8] instance type offered in AZ ..." in lines
+    stub_quotas.assert_no_pending_responses()
+    # The CLI was only asked for its version; no key was generated; AWS holds nothing new.
+    assert fake_pulumi.read_text().split("\n")[:-1] == ["version"]
+    assert not state.keys_dir.exists()
+    assert aws.ec2.describe_key_pairs()["KeyPairs"] == []
+    assert aws.ec2.describe_instances()["Reservations"] == []
+    tagged = [{"Name": f"tag:{CLUSTER_TAG}", "Values": [spec.name]}]
+    assert aws.ec2.describe_vpcs(Filters=tagged)["Vpcs"] == []
+
+
+def test_down_without_cli_sweeps_but_keeps_the_state(no_pulumi, aws, tmp_path, monkeypatch):
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: aws))
+    Ec2Extras(aws.ec2)
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    volume = aws.ec2.create_volume(AvailabilityZone="us-east-1b", Size=10, TagSpecifications=[
+        {"ResourceType": "volume", "Tags": [{"Key": CLUSTER_TAG, "Value": spec.name}]}])["VolumeId"]
+    with pytest.raises(CommandError) as err:
+        stack.down(state, spec, force=True, out=lambda _: None)
+    assert "pulumi destroy did not finish" in str(err.value) and "get.pulumi.com" in str(err.value)
+    assert state.exists()
+    assert aws.ec2.describe_volumes(Filters=[{"Name": "volume-id", "Values": [volume]}])["Volumes"] == []
+
+
+class FakeStack:
+    """The config part of an Automation API Stack, with the CLI's behaviour for a missing key."""
+
+    def __init__(self):
+        self.config: dict[str, str] = {}
+
+    def set_config(self, key, value):
+        self.config[key] = value.value
+
+    def get_config(self, key):
+        if key not in self.config:
+            raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr=f"{key} not found", code=1))
+        return auto.ConfigValue(self.config[key])
+
+
+def test_stack_config_carries_the_spec_and_pins_the_expiry():
+    spec = make_spec(expiry_hours=6, tags={"team": "ml"})
+    fake = FakeStack()
+    first = stack.configure_stack(fake, spec)
+    assert fake.config["aws:region"] == "us-east-1"
+    assert json.loads(fake.config[PULUMI_CONFIG_KEY]) == spec.model_dump(mode="json")
+    assert fake.config[EXPIRES_AT_KEY] == first and first.endswith("Z")
+    # A later `up` (even with another expiry_hours) keeps the pinned time.
+    assert stack.configure_stack(fake, make_spec(expiry_hours=48)) == first
+    assert stack.configure_stack(FakeStack(), make_spec(expiry_hours=None)) is None
+
+
+def test_generated_key_is_reused_and_its_public_half_goes_into_the_spec(fsdpctl_home, tmp_path):
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    key, deployed = stack.ssh_key(state, spec)
+    assert key == state.keys_dir / "id_ed25519" and key.exists()
+    assert deployed.access.public_key == key.with_suffix(".pub").read_text().strip()
+    assert deployed.access.public_key.startswith("ssh-ed25519 ")
+    assert spec.access.public_key is None
+    again, redeployed = stack.ssh_key(state, spec)
+    assert again == key and redeployed.access.public_key == deployed.access.public_key
+
+
+def test_users_own_key_is_located_or_refused_before_anything_is_created(fsdpctl_home, tmp_path, monkeypatch):
+    ssh_dir = Path(os.environ["HOME"]) / ".ssh"
+    ssh_dir.mkdir()
+    spec = make_spec(access={"key_name": "team-key"})
+    state = new_state(tmp_path, spec)
+    with pytest.raises(CommandError, match=r"cannot find the private key for key pair 'team-key' .*"
+                                           r"set FSDPCTL_SSH_KEY=/path/to/private-key"):
+        stack.ssh_key(state, spec)
+    (ssh_dir / "team-key.pem").write_text("PRIVATE")
+    assert stack.ssh_key(state, spec) == (ssh_dir / "team-key.pem", spec)
+
+    (ssh_dir / "laptop").write_text("PRIVATE")
+    (ssh_dir / "laptop.pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample me@laptop\n")
+    by_public = make_spec(access={"public_key": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample"})
+    assert stack.ssh_key(state, by_public)[0] == ssh_dir / "laptop"
+    monkeypatch.setenv("FSDPCTL_SSH_KEY", str(ssh_dir / "team-key.pem"))
+    assert stack.ssh_key(state, by_public)[0] == ssh_dir / "team-key.pem"
+
+
+OUTPUTS = {
+    "nodes": [
+        {"rank": 1, "name": "pf-node1", "instance_id": "i-0bbb", "private_ip": "10.42.1.11", "efa_count": 4},
+        {"rank": 0, "name": "pf-node0", "instance_id": "i-0aaa", "private_ip": "10.42.1.10", "efa_count": 4},
+    ],
+    "bastion_public_ip": "198.51.100.7", "ssh_user": "ubuntu", "checkpoint_bucket": "pf-checkpoints-x",
+    "fsx_dns_name": "fs-1.fsx.us-east-1.amazonaws.com", "fsx_mount_name": "abcdef",
+    "placement_group": "pf-pg",
+    "security_group_id": "sg-1", "vpc_id": "vpc-1", "private_subnet_id": "subnet-1", "ami_id": "ami-1",
+    "key_name": "pf-key",
+}
+
+
+def test_state_from_outputs_with_bastion_and_fsx(tmp_path):
+    spec = make_spec(storage={"fsx": {"enabled": True, "mount_point": "/fsx"}})
+    data = stack.state_from_outputs(spec, OUTPUTS, key_file=tmp_path / "k", known_hosts=tmp_path / "kh")
+    assert data["nodes"] == [
+        {"rank": 0, "name": "pf-node0", "address": "10.42.1.10", "instance_id": "i-0aaa"},
+        {"rank": 1, "name": "pf-node1", "address": "10.42.1.11", "instance_id": "i-0bbb"},
+    ]
+    assert data["ssh"] == {"user": "ubuntu", "key_file": str(tmp_path / "k"),
+                           "known_hosts": str(tmp_path / "kh"), "proxy_jump": "ubuntu@198.51.100.7"}
+    assert data["shared_dir"] == "/fsx"
+    assert data["stack_outputs"] == OUTPUTS
+
+
+def test_state_from_outputs_without_bastion_or_fsx(tmp_path):
+    spec = make_spec(access={"bastion": False, "ssh_user": "ec2-user"})
+    outputs = {**OUTPUTS, "bastion_public_ip": None, "ssh_user": None}
+    data = stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k", known_hosts=tmp_path / "kh")
+    assert data["ssh"]["proxy_jump"] is None and data["ssh"]["user"] == "ec2-user"
+    assert data["shared_dir"] is None
+
+
+def test_state_from_outputs_refuses_a_node_count_mismatch(tmp_path):
+    with pytest.raises(CommandError, match=r"ranks \[0, 1\], the spec wants 3 .*fsdpctl down --cluster pf"):
+        stack.state_from_outputs(make_spec(node_count=3), OUTPUTS, key_file=tmp_path, known_hosts=tmp_path)
+
+
+def test_default_backend_is_local_unless_chosen(fsdpctl_home, monkeypatch):
+    monkeypatch.delenv("PULUMI_BACKEND_URL", raising=False)
+    monkeypatch.delenv("PULUMI_CONFIG_PASSPHRASE", raising=False)
+    monkeypatch.delenv("PULUMI_CONFIG_PASSPHRASE_FILE", raising=False)
+    env = stack.pulumi_env()
+    assert env == {"PULUMI_BACKEND_URL": (fsdpctl_home / "pulumi").as_uri(), "PULUMI_CONFIG_PASSPHRASE": ""}
+    monkeypatch.setenv("PULUMI_BACKEND_URL", "s3://team-pulumi-state")
+    monkeypatch.setenv("PULUMI_CONFIG_PASSPHRASE", "secret")
+    assert stack.pulumi_env() == {}
+
+
+def test_replace_refuses_local_clusters_and_unknown_ranks(fsdpctl_home, tmp_path):
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    state.update(nodes=[{"rank": 0, "name": "pf-node0", "address": "10.0.0.1", "instance_id": "i-1"}])
+    with pytest.raises(CommandError, match=r"no node with rank 5 \(ranks: 0\)"):
+        stack.cmd_replace(argparse.Namespace(cluster="pf", rank=5))
+    state.update(target="local")
+    with pytest.raises(CommandError, match="replace works on aws clusters"):
+        stack.cmd_replace(argparse.Namespace(cluster="pf", rank=0))
