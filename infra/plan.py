@@ -600,6 +600,19 @@ def render_json(plan: OfflinePlan, cost: CostEstimate) -> str:
     )
 
 
+def _require_pulumi() -> None:
+    from infra.cli import CommandError
+
+    try:
+        import pulumi  # noqa: F401
+        import pulumi_aws  # noqa: F401
+    except ImportError as e:
+        raise CommandError(
+            f"fsdpctl plan runs the Pulumi program offline and needs the Python packages pulumi and "
+            f"pulumi-aws ({e}). Install them with: pip install -e '.[aws]' (or `make plan`)."
+        ) from None
+
+
 def cmd_plan(args: Any) -> int:
     from infra.program import expiry_time
 
@@ -607,6 +620,7 @@ def cmd_plan(args: Any) -> int:
     # program registers anything.
     spec = load_spec(args.spec)
     prices = load_prices(args.prices)
+    _require_pulumi()
     if not args.json:
         print(
             f"Running the Pulumi program for {args.spec} offline (Pulumi mocks; no AWS calls)...",

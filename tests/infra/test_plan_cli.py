@@ -4,6 +4,7 @@ and bad input (exit 2, every problem listed, nothing run)."""
 from __future__ import annotations
 
 import json
+import sys
 from datetime import date
 
 import pytest
@@ -126,3 +127,10 @@ def test_missing_spec_file_and_bad_price_file_are_clear_errors(tmp_path, capsys)
     bad_prices.write_text("- just\n- a list\n")
     assert main(["plan", DEMO, "--prices", str(bad_prices)]) == 2
     assert "must be a YAML mapping" in capsys.readouterr().err
+
+
+def test_missing_pulumi_packages_are_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pulumi_aws", None)  # makes `import pulumi_aws` fail
+    assert main(["plan", DEMO]) == 2
+    err = capsys.readouterr().err
+    assert "needs the Python packages pulumi and pulumi-aws" in err and "pip install -e '.[aws]'" in err
