@@ -25,7 +25,7 @@ host-packages:
 	fi
 
 demo: $(STAMP) host-packages
-	$(BIN)/fsdpctl plan examples/demo.yaml
+	$(BIN)/fsdpctl demo examples/local.yaml
 
 plan: $(STAMP)
 	$(BIN)/fsdpctl plan examples/demo.yaml

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("spec", type=Path, nargs="?", default=Path("examples/local.yaml"))
     sp.add_argument("--nodes", type=int, default=2)
     sp.add_argument("--keep", action="store_true", help="leave the cluster up afterwards")
+    sp.add_argument("--smoke-steps", type=int, help="training steps for the smoke test's FSDP run")
     return p
 
 

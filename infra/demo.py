@@ -51,7 +51,8 @@ def cmd_demo(args) -> int:
         ("up", ["up", str(args.spec), "--target", "local", "--nodes", str(args.nodes)]),
         ("configure", ["configure", "--cluster", name]),
         ("deploy", ["deploy", "--cluster", name]),
-        ("smoke", ["smoke", "--cluster", name]),
+        ("smoke", ["smoke", "--cluster", name,
+                   *(["--steps", str(args.smoke_steps)] if args.smoke_steps else [])]),
     ]
     timings: list[tuple[str, float, int]] = []
     failed: str | None = None

@@ -290,9 +290,9 @@ if [ ! -x "$venv/bin/python" ]; then
   mkdir -p "$(dirname "$venv")"
   python3 -m venv $flags "$venv"
 fi
-"$venv/bin/pip" install -q --no-compile --no-index --find-links {q(bundle_dir)} -c {q(bundle_dir + '/constraints.txt')} \\
-  {q(wheel + '[trainer]')}
-"$venv/bin/pip" install -q --no-compile --no-index --no-deps --force-reinstall {q(wheel)}
+install() {{ "$venv/bin/pip" install -q --no-compile --no-index "$@"; }}
+install --find-links {q(bundle_dir)} -c {q(bundle_dir + '/constraints.txt')} {q(wheel + '[trainer]')}
+install --no-deps --force-reinstall {q(wheel)}
 "$venv/bin/python" -c 'import torch, trainer; print("torch", torch.__version__)'
 echo {q(bundle.key)} > "$venv/.fsdp-bundle"
 """

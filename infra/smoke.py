@@ -451,7 +451,7 @@ def check_recovery(ctx: SmokeContext, result: CheckResult) -> None:
         result.status = "skip"
         result.summary = "no shared file system: restarted ranks cannot load checkpoints"
         return
-    steps, interval = max(24, ctx.steps), 4
+    steps, interval = max(16, ctx.steps), 4
     ckpt, metrics = f"{ctx.work_dir}/recovery-checkpoints", f"{ctx.work_dir}/recovery-metrics.jsonl"
     victim = ctx.ranks[-1]
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store, gloo reconnects to the previous

@@ -1,0 +1,147 @@
+"""The whole job on the local target, with real nodes: `fsdpctl demo --keep` (up -> configure ->
+deploy -> smoke) on 2 systemd-nspawn nodes in 198.18.3.0/24, then the failure paths on the same
+cluster (wrong MTU, a node down), then `down` and a look at the host for leftovers.
+
+One cluster for the module (bringing one up, configuring and deploying costs minutes); the tests run
+in file order and break the cluster only at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.local.conftest import fsdpctl, host_leftovers, read_state, require_local_prerequisites
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+NAME = "lifecycle-test"
+SUBNET = "198.18.3.0/24"  # the lifecycle area's subnet
+SMOKE_STEPS = "12"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    require_local_prerequisites()
+    return tmp_path_factory.mktemp("fsdpctl-home")
+
+
+@pytest.fixture(scope="module")
+def demo(home: Path):
+    """`fsdpctl demo --keep` on 2 nodes; the cluster is torn down after the module whatever happens."""
+    spec = home.parent / f"{NAME}.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
+        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
+        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}}))
+    try:
+        result = fsdpctl(home, "demo", str(spec), "--nodes", "2", "--keep", "--smoke-steps", SMOKE_STEPS,
+                         timeout=1500, check=False)
+        local = read_state(home, NAME).get("local") if (home / "clusters" / NAME).exists() else None
+        yield result, local
+    finally:
+        fsdpctl(home, "down", "--cluster", NAME, timeout=300, check=False)
+
+
+def _report(home: Path) -> dict:
+    return json.loads((home / "clusters" / NAME / "report.json").read_text())
+
+
+def _check(report: dict, name: str) -> dict:
+    return next(c for c in report["checks"] if c["name"] == name)
+
+
+@pytest.mark.timeout(1500)
+def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo, home):
+    result, _ = demo
+    assert result.returncode == 0, f"demo failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    for stage in ("up", "configure", "deploy", "smoke"):
+        assert f"fsdpctl {stage}" in result.stdout
+    report = _report(home)
+    assert report["passed"] and report["failed"] == []
+    assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "recovery"]
+    assert {c["status"] for c in report["checks"]} == {"pass"}
+    # The terminal table names every check with its result.
+    for check in report["checks"]:
+        assert any(line.split()[:2] == [check["name"], "PASS"] for line in result.stdout.splitlines())
+    # The demo keeps a copy of the report outside the cluster's state dir.
+    kept = home / "reports" / NAME
+    assert json.loads((kept / "report.json").read_text())["checks"] == report["checks"]
+
+
+def test_report_carries_the_measurements(demo, home):
+    report = _report(home)
+    inventory = _check(report, "inventory")["details"]
+    assert inventory["expected_mtu"] == 9000
+    assert all(node["mtu"] == 9000 and node["interface"] == "eth0" for node in inventory["nodes"].values())
+
+    bandwidth = report["bandwidth"]
+    assert bandwidth["backend"] == "gloo" and bandwidth["world_size"] == 2
+    assert all(r["busbw_gbps"] > 0 for r in bandwidth["results"])
+    assert report["bandwidth_gate_gbps"] <= bandwidth["peak_busbw_gbps"]
+
+    fsdp = _check(report, "fsdp")["details"]
+    assert fsdp["loss_last"] < fsdp["loss_first"]
+    assert fsdp["checkpoints"] and all(c["verified"] for c in fsdp["checkpoints"])
+    assert fsdp["resume"]["first_step"] == max(c["step"] for c in fsdp["checkpoints"]) + 1
+    assert [r["rank"] for r in report["training"]["per_rank"]] == [0, 1]
+
+    recovery = _check(report, "recovery")["details"]
+    assert recovery["recovery_time_s"] > 0
+    assert recovery["resumed_at_step"] <= recovery["killed_after_step"] + 1
+
+    page = (home / "clusters" / NAME / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 4  # bandwidth, loss, tokens/s and memory per rank
+
+
+def test_second_deploy_reuses_the_bundle_and_the_venvs(demo, home):
+    result = fsdpctl(home, "deploy", "--cluster", NAME, timeout=300)
+    assert "wheelhouse cached" in result.stdout
+    assert "cached" in result.stdout.split("bundle ->", 1)[1].splitlines()[0]
+    assert result.stdout.count("already installed") == 2
+
+
+def _smoke_inventory_only(home: Path):
+    return fsdpctl(home, "smoke", "--cluster", NAME, "--skip", "bandwidth", "--skip", "fsdp",
+                   "--skip", "recovery", timeout=120, check=False)
+
+
+def test_smoke_fails_naming_inventory_when_a_node_has_the_wrong_mtu(demo, home):
+    fsdpctl(home, "ssh", "1", "--", "ip link set eth0 mtu 1500", timeout=60)
+    try:
+        result = _smoke_inventory_only(home)
+    finally:
+        fsdpctl(home, "ssh", "1", "--", "ip link set eth0 mtu 9000", timeout=60)
+    assert result.returncode != 0
+    assert "smoke test failed: inventory" in result.stderr
+    inventory = _check(_report(home), "inventory")
+    assert inventory["status"] == "fail"
+    assert "node 1: MTU of eth0 is 1500" in inventory["summary"]
+    assert inventory["details"]["nodes"]["0"]["mtu"] == 9000
+
+
+def test_smoke_fails_naming_inventory_when_a_node_is_down(demo, home):
+    fsdpctl(home, "ssh", "1", "--", "systemctl poweroff", timeout=60, check=False)
+    deadline = time.monotonic() + 60
+    while fsdpctl(home, "ssh", "1", "--", "true", timeout=60, check=False).returncode == 0:
+        assert time.monotonic() < deadline, "node 1 did not power off"
+        time.sleep(1)
+    result = fsdpctl(home, "smoke", "--cluster", NAME, timeout=300, check=False)
+    assert result.returncode != 0
+    assert "smoke test failed: inventory" in result.stderr
+    report = _report(home)
+    assert "node 1 (198.18.3.3) does not answer" in _check(report, "inventory")["summary"]
+    # Nothing that needs every node was started against a dead one.
+    for name in ("bandwidth", "fsdp", "recovery"):
+        assert _check(report, name)["status"] == "skip"
+
+
+def test_down_leaves_nothing_behind(demo, home):
+    _, local = demo
+    assert local, "the demo did not record its local nodes"
+    fsdpctl(home, "down", "--cluster", NAME, timeout=300)
+    assert host_leftovers(home, local) == []
