@@ -77,6 +77,10 @@ class AwsClients:
         return self._client("scheduler")
 
     @cached_property
+    def iam(self):
+        return self._client("iam")
+
+    @cached_property
     def tagging(self):
         return self._client("resourcegroupstaggingapi")
 

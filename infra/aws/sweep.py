@@ -5,8 +5,10 @@ at, a non-empty bucket, an interrupted run) and what it leaves keeps billing. Th
 resource tagged `fsdp-cluster:cluster=<name>` through the EC2, FSx and Scheduler describe APIs and
 the Resource Groups Tagging API, reports it, and with `force` deletes it in dependency order:
 instances and file systems first (and waited for, since they hold ENIs and security groups), then
-NAT gateways and their addresses, ENIs, volumes, templates, placement groups, key pairs, security
-groups (cross-references revoked first), gateways, route tables, subnets and finally the VPC.
+NAT gateways and their addresses, ENIs, volumes, templates, placement groups, key pairs, the node
+and expiry IAM roles and instance profile (global, so matched by the cluster's name prefix and then
+its tag), security groups (cross-references revoked first), gateways, route tables, subnets and
+finally the VPC.
 Only tagged resources are touched; one failed deletion is reported with its id and reason and never
 stops the rest. Running it twice is safe: the second run finds nothing.
 """
@@ -262,6 +264,50 @@ def _delete_key_pairs(aws: AwsClients, items: list[Leftover], out: Out):
     return _each(items, lambda k: aws.ec2.delete_key_pair(KeyName=k.id), out)
 
 
+# ---- IAM (global; found by the cluster's name prefix, then confirmed by its tag) -----------------
+def _tagged_iam(aws: AwsClients, cluster: str, listing: str, key: str, name_key: str,
+                tags_of: Callable[[str], list[dict]]) -> list[dict]:
+    candidates = [x for x in _paginate(aws.iam, listing, key) if x[name_key].startswith(f"{cluster}-")]
+    return [x for x in candidates if _tags(tags_of(x[name_key])).get(CLUSTER_TAG) == cluster]
+
+
+def _find_instance_profiles(aws: AwsClients, cluster: str) -> list[Leftover]:
+    def tags_of(name: str) -> list[dict]:
+        return aws.iam.get_instance_profile(InstanceProfileName=name)["InstanceProfile"].get("Tags", [])
+
+    return [Leftover("instance-profile", p["InstanceProfileName"],
+                     ",".join(r["RoleName"] for r in p["Roles"]))
+            for p in _tagged_iam(aws, cluster, "list_instance_profiles", "InstanceProfiles",
+                                 "InstanceProfileName", tags_of)]
+
+
+def _delete_instance_profiles(aws: AwsClients, items: list[Leftover], out: Out):
+    def delete(profile: Leftover) -> None:
+        for role in filter(None, profile.detail.split(",")):
+            aws.iam.remove_role_from_instance_profile(InstanceProfileName=profile.id, RoleName=role)
+        aws.iam.delete_instance_profile(InstanceProfileName=profile.id)
+    return _each(items, delete, out)
+
+
+def _find_roles(aws: AwsClients, cluster: str) -> list[Leftover]:
+    def tags_of(name: str) -> list[dict]:
+        return aws.iam.get_role(RoleName=name)["Role"].get("Tags", [])
+
+    return [Leftover("iam-role", r["RoleName"])
+            for r in _tagged_iam(aws, cluster, "list_roles", "Roles", "RoleName", tags_of)]
+
+
+def _delete_roles(aws: AwsClients, items: list[Leftover], out: Out):
+    def delete(role: Leftover) -> None:
+        for name in _paginate(aws.iam, "list_role_policies", "PolicyNames", RoleName=role.id):
+            aws.iam.delete_role_policy(RoleName=role.id, PolicyName=name)
+        attached = _paginate(aws.iam, "list_attached_role_policies", "AttachedPolicies", RoleName=role.id)
+        for policy in attached:
+            aws.iam.detach_role_policy(RoleName=role.id, PolicyArn=policy["PolicyArn"])
+        aws.iam.delete_role(RoleName=role.id)
+    return _each(items, delete, out)
+
+
 # ---- security groups -----------------------------------------------------------------------------
 def _find_security_groups(aws: AwsClients, cluster: str) -> list[Leftover]:
     return [Leftover("security-group", g["GroupId"], g["GroupName"])
@@ -400,6 +446,8 @@ KINDS: list[Kind] = [
     Kind("launch-template", _find_launch_templates, _delete_launch_templates),
     Kind("placement-group", _find_placement_groups, _delete_placement_groups),
     Kind("key-pair", _find_key_pairs, _delete_key_pairs),
+    Kind("instance-profile", _find_instance_profiles, _delete_instance_profiles),
+    Kind("iam-role", _find_roles, _delete_roles),
     Kind("security-group", _find_security_groups, _delete_security_groups),
     Kind("internet-gateway", _find_internet_gateways, _delete_internet_gateways),
     Kind("route-table", _find_route_tables, _delete_route_tables),

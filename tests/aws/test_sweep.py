@@ -3,6 +3,8 @@ are found, deleted in dependency order, and a second sweep finds nothing."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infra.aws import sweep
@@ -78,6 +80,15 @@ def plant_cluster(aws, extras: Ec2Extras) -> dict[str, str]:
         FileSystemType="LUSTRE", StorageCapacity=1200, SubnetIds=[private], SecurityGroupIds=[nodes_sg],
         LustreConfiguration={"DeploymentType": "PERSISTENT_2", "PerUnitStorageThroughput": 250},
         Tags=tags())["FileSystem"]["FileSystemId"]
+    role = aws.iam.create_role(RoleName=f"{CLUSTER}-node-1a2b3c", AssumeRolePolicyDocument="{}",
+                               Tags=tags())["Role"]["RoleName"]
+    document = json.dumps({"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": "s3:GetObject", "Resource": "arn:aws:s3:::bucket/*"}]})
+    aws.iam.put_role_policy(RoleName=role, PolicyName="checkpoints", PolicyDocument=document)
+    policy = aws.iam.create_policy(PolicyName=f"{CLUSTER}-ssm", PolicyDocument=document)
+    aws.iam.attach_role_policy(RoleName=role, PolicyArn=policy["Policy"]["Arn"])
+    aws.iam.create_instance_profile(InstanceProfileName=f"{CLUSTER}-node-4d5e6f", Tags=tags())
+    aws.iam.add_role_to_instance_profile(InstanceProfileName=f"{CLUSTER}-node-4d5e6f", RoleName=role)
     aws.scheduler.create_schedule_group(Name=schedule_group_name(CLUSTER), Tags=[
         {"Key": CLUSTER_TAG, "Value": CLUSTER}])
     return {"vpc": vpc, "nat": nat, "eip": eip, "nodes_sg": nodes_sg, "bastion_sg": bastion_sg,
@@ -98,7 +109,7 @@ def test_sweep_reports_without_force_and_deletes_nothing(aws, planted):
     assert kinds == sorted(["vpc", "subnet", "internet-gateway", "elastic-ip", "nat-gateway", "route-table",
                             "vpc-endpoint", "security-group", "launch-template", "placement-group",
                             "instance", "network-interface", "volume", "key-pair", "fsx-file-system",
-                            "schedule-group"])
+                            "schedule-group", "iam-role", "instance-profile"])
     assert sum(item.kind == "instance" for item in report.found) == 2
     assert sum(item.kind == "security-group" for item in report.found) == 2
     assert not report.deleted and not report.clean
@@ -115,12 +126,13 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
                                   TagSpecifications=tag_spec("instance", cluster="other"))
     other_id = other["Instances"][0]["InstanceId"]
     untagged = aws.ec2.create_volume(AvailabilityZone="us-east-1b", Size=8)["VolumeId"]
+    aws.iam.create_role(RoleName=f"{CLUSTER}-hand-made", AssumeRolePolicyDocument="{}")
 
-    calls = record_calls(aws.ec2, aws.fsx, aws.scheduler)
+    calls = record_calls(aws.ec2, aws.fsx, aws.scheduler, aws.iam)
     report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
     assert report.failed == []
     assert report.clean, sweep.describe_report(report, CLUSTER)
-    assert len(report.deleted) == 19
+    assert len(report.deleted) == 21
 
     calls += extras.calls  # the fake answers DeletePlacementGroup before the recorder's turn is visible
     def first(op: str) -> int:
@@ -145,6 +157,10 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
     assert last("DetachInternetGateway") < first("DeleteVpc")
     assert last("DeleteSubnet") < first("DeleteVpc")
     assert extras.placement_groups == {}
+    # A role leaves its instance profile and sheds its policies before it is deleted.
+    assert waited < first("DeleteInstanceProfile")
+    assert first("RemoveRoleFromInstanceProfile") < first("DeleteInstanceProfile") < first("DeleteRole")
+    assert first("DeleteRolePolicy") < first("DeleteRole") and first("DetachRolePolicy") < first("DeleteRole")
 
     again = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
     assert again.found == [] and again.deleted == [] and again.failed == []
@@ -152,6 +168,7 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
     state = aws.ec2.describe_instances(InstanceIds=[other_id])["Reservations"][0]["Instances"][0]["State"]
     assert state["Name"] == "running"
     assert aws.ec2.describe_volumes(VolumeIds=[untagged])["Volumes"][0]["State"] == "available"
+    assert [r["RoleName"] for r in aws.iam.list_roles()["Roles"]] == [f"{CLUSTER}-hand-made"]
 
 
 def test_one_failed_deletion_is_reported_and_the_rest_continue(aws, planted):
