@@ -218,6 +218,8 @@ def up(state: ClusterState, spec: ClusterSpec, out: Out = print) -> dict[str, An
     from pulumi import automation as auto
 
     stack = open_stack(deployed_spec, command, create=True)
+    # From here on `down` must run `pulumi destroy` (before, there is nothing to destroy).
+    state.update(pulumi_stack=spec.name)
     expires_at = configure_stack(stack, deployed_spec)
     out(f"pulumi up: stack {spec.name}" + (f", nodes expire at {expires_at}" if expires_at else ""))
     try:
@@ -258,7 +260,8 @@ def down(state: ClusterState, spec: ClusterSpec, force: bool = False, out: Out =
     try:
         command, destroy_error = pulumi_command(), None
     except CommandError as e:
-        command, destroy_error = None, str(e)
+        has_stack = bool(state.read().get("pulumi_stack"))
+        command, destroy_error = None, str(e) if has_stack else None
     aws = AwsClients.for_spec(spec)
     if command is not None:
         destroy_error = _destroy(spec, command, out)

@@ -103,6 +103,7 @@ def test_down_without_cli_sweeps_but_keeps_the_state(no_pulumi, aws, tmp_path, m
     Ec2Extras(aws.ec2)
     spec = make_spec()
     state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name)
     volume = aws.ec2.create_volume(AvailabilityZone="us-east-1b", Size=10, TagSpecifications=[
         {"ResourceType": "volume", "Tags": [{"Key": CLUSTER_TAG, "Value": spec.name}]}])["VolumeId"]
     with pytest.raises(CommandError) as err:
@@ -110,6 +111,17 @@ def test_down_without_cli_sweeps_but_keeps_the_state(no_pulumi, aws, tmp_path, m
     assert "pulumi destroy did not finish" in str(err.value) and "get.pulumi.com" in str(err.value)
     assert state.exists()
     assert aws.ec2.describe_volumes(Filters=[{"Name": "volume-id", "Values": [volume]}])["Volumes"] == []
+
+
+def test_down_without_cli_and_without_a_stack_removes_the_state(no_pulumi, aws, tmp_path, monkeypatch):
+    # `up` stopped before the stack existed (no CLI, failed pre-flight): nothing to destroy.
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: aws))
+    Ec2Extras(aws.ec2)
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    report = stack.down(state, spec, out=lambda _: None)
+    assert report.clean and not state.exists()
+    stack.down(state, spec, out=lambda _: None)  # and again: still fine
 
 
 class FakeStack:
