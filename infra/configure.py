@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import hashlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from argparse import Namespace
 from collections.abc import Callable, Iterator
@@ -31,8 +32,9 @@ from infra.state import ClusterState
 
 ANSIBLE_DIR = Path(__file__).resolve().parents[1] / "ansible"
 PLAYBOOK = "site.yml"
-# Unix socket paths are limited to 108 bytes; Ansible appends a 10-character hash to the directory.
-MAX_CONTROL_DIR_LEN = 90
+# Unix socket paths are limited to 107 bytes: Ansible appends "/<10-char hash>" to the directory, and
+# ssh a ".<16 random chars>" suffix while it creates the socket.
+MAX_CONTROL_DIR_LEN = 107 - 11 - 17
 DEFAULT_SKIP_REASON = "Conditional result was False"  # says nothing; other reasons are shown
 
 
@@ -164,19 +166,18 @@ def _cancel_on_signals() -> Iterator[threading.Event]:
 
 @contextlib.contextmanager
 def _control_dir(run_dir: Path) -> Iterator[Path]:
-    """The run's SSH control-socket dir, reached through a short /tmp link when its path is too long."""
-    real = run_dir / "cp"
-    real.mkdir()
-    if len(str(real)) <= MAX_CONTROL_DIR_LEN:
-        yield real
+    """The run's SSH control-socket dir: in the run dir, or, when that path is too long for a socket
+    (Ansible resolves symlinks, so a link would not help), a private /tmp dir removed afterwards."""
+    in_run_dir = run_dir / "cp"
+    if len(str(in_run_dir)) <= MAX_CONTROL_DIR_LEN:
+        in_run_dir.mkdir()
+        yield in_run_dir
         return
-    link = Path("/tmp") / f"fsdpctl-cp-{hashlib.sha256(str(real).encode()).hexdigest()[:12]}"
-    link.unlink(missing_ok=True)
-    link.symlink_to(real)
+    short = Path(tempfile.mkdtemp(prefix="fsdpctl-cp-"))
     try:
-        yield link
+        yield short
     finally:
-        link.unlink(missing_ok=True)
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, limit: str | None = None,
