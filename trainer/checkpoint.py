@@ -339,6 +339,21 @@ class S3Location:
             self.client.delete_object(Bucket=self.bucket, Key=self.key(path.name, MANIFEST))
             raise CheckpointError("; ".join(problems))
 
+    def prune(self, keep_last: int, log: Callable[[str], None]) -> None:
+        """Delete all but the newest ``keep_last`` committed checkpoints; call right after a verified
+        upload, so the newest is a verified one."""
+        committed, _ = self.checkpoints()
+        for step, name in committed[keep_last:]:
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(name) + "/"):
+                keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                # the manifest goes first, so that an interrupted deletion leaves an ignored partial copy
+                keys.sort(key=lambda item: not item["Key"].endswith("/" + MANIFEST))
+                if keys:
+                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
+            log(f"checkpoint: deleted {self.url}/{name} (step {step}): more than keep_last={keep_last} "
+                "newer checkpoints")
+
     def download(self, name: str, target: Path) -> None:
         target.mkdir(parents=True)
         manifest_key = self.key(name, MANIFEST)
@@ -581,6 +596,7 @@ class CheckpointManager:
                 self._s3.upload(committed, manifest)
                 self.log(f"checkpoint: mirrored {committed.name} to {self._s3.url}/{committed.name}, "
                          f"verified ({time.monotonic() - started:.1f}s)")
+                self._s3.prune(self.cfg.keep_last, self.log)
             except Exception as exc:
                 self.log(f"checkpoint: ERROR mirroring {committed.name} to {self._s3.url} failed, only the "
                          f"primary copy exists: {type(exc).__name__}: {exc}")

@@ -268,6 +268,18 @@ def test_s3_mirror_upload_verify_and_restore(tmp_path: Path) -> None:
         assert log.mentions("NOT loading", "step_00000004", "__0_0.distcp", "SHA256 mismatch")
 
 
+def test_s3_mirror_keeps_the_newest_keep_last(tmp_path: Path) -> None:
+    with mock_aws():
+        boto3.client("s3").create_bucket(Bucket="ckpt-bucket")
+        log = Log()
+        train_and_save(tmp_path, log, 6, mirror_s3="s3://ckpt-bucket/run", keep_last=2)
+        committed, partial = ckpt.S3Location("s3://ckpt-bucket/run").checkpoints()
+        keys = {o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="ckpt-bucket")["Contents"]}
+    assert committed == [(6, "step_00000006"), (4, "step_00000004")] and partial == []
+    assert not any(key.startswith("run/step_00000002/") for key in keys)
+    assert log.mentions("deleted s3://ckpt-bucket/run/step_00000002", "keep_last=2")
+
+
 def test_s3_mirror_failure_is_logged_and_training_continues(tmp_path: Path) -> None:
     with mock_aws():  # the bucket does not exist
         log = Log()

@@ -83,6 +83,5 @@ def test_corrupt_copies_are_skipped_down_to_the_s3_mirror(tmp_path: Path, refere
     # the resumed run keeps mirroring, verified, to both second copies
     assert "mirrored step_00000010 to s3://ckpts/job/step_00000010, verified" in log
     assert [s for s, _ in committed_checkpoints(tmp_path / "mirror")] == [10, 9]
-    assert s3_names == ([(10, "step_00000010"), (9, "step_00000009"), (6, "step_00000006"),
-                         (5, "step_00000005")], [])
+    assert s3_names == ([(10, "step_00000010"), (9, "step_00000009")], [])  # keep_last=2
     assert not (tmp_path / "ckpt" / "step_00000005.from-s3.tmp").exists()
