@@ -354,6 +354,47 @@ def check_reservation(spec: ClusterSpec, aws: AwsClients) -> Outcome:
                    f"{res.get('AvailableInstanceCount')}/{res.get('TotalInstanceCount')} available", findings)
 
 
+@check("existing placement group")
+def check_placement_group(spec: ClusterSpec, aws: AwsClients) -> Outcome:
+    name = spec.placement_group.existing_name
+    if not name:
+        return _skip("the stack creates one" if spec.uses_placement_group else "no placement group")
+    try:
+        groups = aws.ec2.describe_placement_groups(GroupNames=[name])["PlacementGroups"]
+    except botocore.exceptions.ClientError as e:
+        if error_code(e) != "InvalidPlacementGroup.Unknown":
+            raise
+        groups = []
+    if not groups:
+        return Outcome(f"{name} not found", [Finding(
+            f"placement_group.existing_name {name}: no such placement group in {spec.region}",
+            "give the name of an existing cluster placement group, or remove existing_name to let the "
+            "stack create one")])
+    group, findings = groups[0], []
+    if group.get("Strategy") != "cluster":
+        findings.append(Finding(
+            f"placement_group.existing_name {name}: is a {group.get('Strategy')} group; EFA traffic "
+            "needs a cluster group", "use a placement group with strategy cluster"))
+    if spec.capacity.uses_reservation:
+        # A reservation made in a placement group can only be used inside that group (and one made
+        # outside cannot be used inside any): a mismatch is an InsufficientInstanceCapacity at launch.
+        try:
+            res = aws.ec2.describe_capacity_reservations(
+                CapacityReservationIds=[spec.capacity.reservation_id])["CapacityReservations"]
+        except botocore.exceptions.ClientError as e:
+            if not error_code(e).startswith("InvalidCapacityReservationId"):
+                raise
+            res = []  # reported by the reservation check
+        arn = res[0].get("PlacementGroupArn", "") if res else ""
+        if res and arn.rsplit("/", 1)[-1] != name:
+            findings.append(Finding(
+                f"placement_group.existing_name {name}: reservation {spec.capacity.reservation_id} was "
+                + (f"created in {arn.rsplit('/', 1)[-1]}" if arn else "not created in a placement group"),
+                f"set placement_group.existing_name to {arn.rsplit('/', 1)[-1]}" if arn else
+                "remove placement_group.existing_name (the nodes then launch without a group)"))
+    return Outcome(f"{name}: {group.get('Strategy')}, {group.get('State')}", findings)
+
+
 @check("FSx S3 bucket")
 def check_fsx_bucket(spec: ClusterSpec, aws: AwsClients) -> Outcome:
     fsx = spec.storage.fsx
@@ -418,6 +459,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     print(f"pre-flight for cluster {spec.name}: {spec.node_count} x {spec.instance_type} in "
           f"{spec.availability_zone} ({spec.capacity.type.value})")
+    for warning in spec.warnings():
+        print(f"warning: {warning}")
     report = run_preflight(spec, AwsClients.for_spec(spec))
     print()
     print(report.table())

@@ -119,6 +119,10 @@ class Ec2Extras:
 
     def _describe_pgs(self, params):
         groups = list(self.placement_groups.values())
+        if names := params.get("GroupNames"):
+            if unknown := [n for n in names if n not in self.placement_groups]:
+                return self._error("InvalidPlacementGroup.Unknown", f"'{unknown[0]}' is unknown")
+            groups = [self.placement_groups[n] for n in names]
         for f in params.get("Filters", []):
             if f["Name"].startswith("tag:"):
                 key = f["Name"][4:]

@@ -59,7 +59,8 @@ def test_passing_preflight_reports_every_check(aws, dlami):
     assert status == {
         "instance type offered in AZ": "pass", "instance type GPUs/EFA match catalog": "pass",
         "service quota (vCPUs)": "pass", "AMI resolves (x86_64)": "pass", "key pair exists": "skip",
-        "existing VPC and subnets": "skip", "capacity reservation": "skip", "FSx S3 bucket": "skip",
+        "existing VPC and subnets": "skip", "capacity reservation": "skip",
+        "existing placement group": "skip", "FSx S3 bucket": "skip",
     }
     assert f"[1/{len(preflight.CHECKS)}] instance type offered in AZ ..." in lines
     assert any(dlami in line for line in lines)
@@ -195,6 +196,39 @@ def test_matching_capacity_block_passes(aws, dlami):
     report = preflight.run_preflight(spec, aws, out=lambda _: None)
     assert report.ok, report.failure_text()
     assert {r.name: r.status for r in report.results}["service quota (vCPUs)"] == "skip"
+
+
+PG_ARN = "arn:aws:ec2:us-east-1:123456789012:placement-group/"
+
+
+PG_FIELD = "placement_group.existing_name train-pg"
+
+
+@pytest.mark.parametrize(("group", "reservation_group", "message", "fix"), [
+    (None, None, f"{PG_FIELD}: no such placement group", "remove existing_name"),
+    ("spread", "train-pg", f"{PG_FIELD}: is a spread group", "strategy cluster"),
+    ("cluster", "other-pg", f"{PG_FIELD}: reservation {RID} was created in other-pg",
+     "set placement_group.existing_name to other-pg"),
+    ("cluster", "", f"{PG_FIELD}: reservation {RID} was not created in a placement group",
+     "remove placement_group.existing_name"),
+    ("cluster", "train-pg", None, None),
+])
+def test_existing_placement_group_must_match_the_reservation(aws, dlami, group, reservation_group, message,
+                                                             fix):
+    stub_quota(aws, 384)
+    extras = Ec2Extras(aws.ec2)
+    if group:
+        aws.ec2.create_placement_group(GroupName="train-pg", Strategy=group)
+    extras.reservations[RID] = reservation(PlacementGroupArn=PG_ARN + reservation_group) \
+        if reservation_group else reservation()
+    spec = spec_with_image(capacity={"type": "capacity-reservation", "reservation_id": RID},
+                           placement_group={"existing_name": "train-pg"})
+    report = preflight.run_preflight(spec, aws, out=lambda _: None)
+    found = findings_of(report, "existing placement group")
+    if message is None:
+        assert report.ok, report.failure_text()
+    else:
+        assert len(found) == 1 and found[0].message.startswith(message) and fix in found[0].fix, found
 
 
 def test_fsx_import_bucket_must_exist_in_the_region(aws, dlami):
