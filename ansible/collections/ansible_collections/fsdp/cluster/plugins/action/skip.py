@@ -15,7 +15,7 @@ class ActionModule(ActionBase):
         result = super().run(tmp, task_vars)
         reason = self._task.args.get("reason")
         if not isinstance(reason, str) or not reason.strip():
-            raise AnsibleActionFail("fsdp.cluster.skip needs a non-empty 'reason' saying what is skipped and why")
+            raise AnsibleActionFail("fsdp.cluster.skip needs a non-empty 'reason': what is skipped and why")
         result.update(skipped=True, changed=False, skip_reason=reason, msg=reason)
         # shown by the default callback without -v, like debug output
         result["_ansible_verbose_always"] = True

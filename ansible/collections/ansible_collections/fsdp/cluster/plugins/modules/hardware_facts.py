@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+
+from ansible.module_utils.basic import AnsibleModule
+
 DOCUMENTATION = r"""
 ---
 module: hardware_facts
@@ -40,11 +45,6 @@ ansible_facts:
         nvme_instance_store (device paths), container (empty when not in one), cap_sys_resource.
       type: dict
 """
-
-import os
-import re
-
-from ansible.module_utils.basic import AnsibleModule
 
 NVIDIA_VENDOR = "0x10de"
 GPU_CLASS_PREFIXES = ("0x0300", "0x0302")
@@ -141,8 +141,9 @@ def detect(root="/"):
 
 
 def main():
-    module = AnsibleModule(argument_spec={"sysfs_root": {"type": "path", "default": "/"}},
-                           supports_check_mode=True)
+    module = AnsibleModule(
+        argument_spec={"sysfs_root": {"type": "path", "default": "/"}}, supports_check_mode=True
+    )
     module.exit_json(changed=False, ansible_facts={"fsdp_hardware": detect(module.params["sysfs_root"])})
 
 

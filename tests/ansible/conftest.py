@@ -1,0 +1,214 @@
+"""Helpers for the Ansible tests: the roles' own variables and templates rendered by Ansible's templating
+engine with the facts of real GPU instances (p4d, p5), and ansible-playbook runs on localhost that change
+nothing (syntax check, input validation)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ansible.parsing.dataloader import DataLoader
+from ansible.template import Templar, trust_as_template
+
+from infra import catalog
+from infra.inventory import group_vars
+from infra.state import ClusterState
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_DIR = REPO / "ansible"
+ROLES_DIR = ANSIBLE_DIR / "roles"
+BIN = Path(sys.executable).parent
+ROLES = ("common", "network", "limits", "nvidia", "cuda", "efa", "nccl", "gpudirect", "storage")
+NODE_ADDRESSES = ("10.42.1.10", "10.42.1.11")
+_loader = DataLoader()
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return (_loader.load_from_file(str(path), trusted_as_template=True) or {}) if path.exists() else {}
+
+
+def sysfs_tree(root: Path, instance_type: str, *, ebs_volumes: int = 1) -> Path:
+    """A sysfs/proc layout like an EC2 instance of that type: its GPUs and NVSwitches on the PCI bus, its
+    EFA devices bound to the efa driver, its NVMe instance store next to EBS volumes."""
+    facts = catalog.CATALOG[instance_type]
+    pci = root / "sys/bus/pci/devices"
+    functions = [("0x10de", "0x030200")] * facts.gpus + [("0x10de", "0x068000")] * (
+        6 if facts.nvswitch else 0
+    )
+    functions += [("0x1d0f", "0x020000"), ("0x8086", "0x060000")]  # ENA NIC, host bridge
+    for n, (vendor, pci_class) in enumerate(functions):
+        dev = pci / f"0000:{n + 16:02x}:00.0"
+        dev.mkdir(parents=True)
+        (dev / "vendor").write_text(vendor + "\n")
+        (dev / "class").write_text(pci_class + "\n")
+    driver = root / "sys/bus/pci/drivers/efa"
+    driver.mkdir(parents=True)
+    for n in range(facts.efa_interfaces):
+        dev = root / f"sys/devices/efa{n}"
+        dev.mkdir(parents=True)
+        (dev / "driver").symlink_to(driver)
+        ib = root / f"sys/class/infiniband/rdmap{n + 16}s27"
+        ib.mkdir(parents=True)
+        (ib / "device").symlink_to(dev)
+    models = ["Amazon Elastic Block Store"] * ebs_volumes + [
+        "Amazon EC2 NVMe Instance Storage"
+    ] * facts.nvme_devices
+    for n, model in enumerate(models):
+        ctrl = root / f"sys/class/nvme/nvme{n}"
+        (ctrl / f"nvme{n}n1").mkdir(parents=True)
+        (ctrl / "model").write_text(model.ljust(40) + "\n")
+    status = root / "proc/self/status"
+    status.parent.mkdir(parents=True)
+    status.write_text("Name:\tpython3\nCapEff:\t000001ffffffffff\n")
+    return root
+
+
+def cluster_group_vars(tmp_path: Path, instance_type: str, **spec_overrides: Any) -> dict[str, Any]:
+    """The `fsdp_*` group vars the real inventory builder writes for an AWS cluster of that type."""
+    spec = {
+        "name": "rt",
+        "region": "us-east-1",
+        "availability_zone": "us-east-1b",
+        "instance_type": instance_type,
+        "node_count": 2,
+        "ssh_cidr": "203.0.113.0/24",
+        **spec_overrides,
+    }
+    state = ClusterState(name="rt", root=tmp_path / "rt")
+    state.root.mkdir(parents=True)
+    state.spec_path.write_text(yaml.safe_dump(spec))
+    state.update(
+        target="aws",
+        shared_dir="/fsx",
+        stack_outputs={
+            "fsx_dns_name": "fs-0123.fsx.us-east-1.amazonaws.com",
+            "fsx_mount_name": "abcd1234",
+            "checkpoint_bucket": "rt-checkpoints",
+        },
+    )
+    return group_vars(state)
+
+
+def node_variables(
+    tmp_path: Path, instance_type: str, hardware: dict[str, Any], **overrides: Any
+) -> dict[str, Any]:
+    """Every variable a role sees on node 0 of a two-node cluster: role defaults < inventory < role vars <
+    facts, as Ansible orders them."""
+    defaults: dict[str, Any] = {}
+    role_vars: dict[str, Any] = {}
+    for role in ("hardware", *ROLES):
+        defaults.update(_load(ROLES_DIR / role / "defaults/main.yml"))
+        role_vars.update(_load(ROLES_DIR / role / "vars/main.yml"))
+    nodes = {
+        f"rt-node{rank}": {"ansible_host": address, "node_rank": rank}
+        for rank, address in enumerate(NODE_ADDRESSES)
+    }
+    facts = {
+        "default_ipv4": {"interface": "ens32", "address": NODE_ADDRESSES[0]},
+        "ens32": {"mtu": 9001, "macaddress": "0a:1b:2c:3d:4e:5f"},
+        "distribution": "Ubuntu",
+        "distribution_version": "22.04",
+        "distribution_major_version": "22",
+        "distribution_release": "jammy",
+        "architecture": "x86_64",
+        "kernel": "6.8.0-1021-aws",
+        "os_family": "Debian",
+        "processor_vcpus": 96,
+    }
+    return {
+        **defaults,
+        **cluster_group_vars(tmp_path, instance_type),
+        **role_vars,
+        "groups": {"nodes": list(nodes)},
+        "hostvars": nodes,
+        "inventory_hostname": "rt-node0",
+        "ansible_facts": facts,
+        "fsdp_hardware": hardware,
+        "ansible_managed": "Ansible managed",
+        **overrides,
+    }
+
+
+def render(text: str, variables: dict[str, Any]) -> Any:
+    """Template `text` as Ansible does (trusted template, lazily templated variables, Ansible's filters)."""
+    return Templar(loader=_loader, variables=variables).template(trust_as_template(text))
+
+
+def render_template(role: str, name: str, variables: dict[str, Any]) -> str:
+    return render((ROLES_DIR / role / "templates" / name).read_text(), variables)
+
+
+def task_expression(role: str, tasks_file: str, task_name: str, *path: str) -> str:
+    """A Jinja expression exactly as written in a role's task (e.g. a command's argv)."""
+    tasks = yaml.safe_load((ROLES_DIR / role / "tasks" / tasks_file).read_text())
+    task = next(t for t in tasks if t.get("name") == task_name)
+    value: Any = task
+    for key in path:
+        value = value[key]
+    return value
+
+
+def ansible_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for ansible-playbook: the project's ansible.cfg; Ansible writes only under tmp_path."""
+    home = tmp_path / "ansible-home"
+    return {
+        **os.environ,
+        "PATH": f"{BIN}:{os.environ['PATH']}",
+        "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+        "ANSIBLE_HOME": str(home),
+        "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
+        "ANSIBLE_REMOTE_TEMP": str(home / "remote-tmp"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_DEPRECATION_WARNINGS": "False",
+    }
+
+
+def run_playbook(tmp_path: Path, playbook: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a playbook against the implicit localhost (connection local)."""
+    path = tmp_path / "play.yml"
+    path.write_text(playbook)
+    return subprocess.run(
+        [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            "-c",
+            "local",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            str(path),
+            *args,
+        ],
+        cwd=REPO,
+        env=ansible_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def detect_hardware(root: Path) -> dict[str, Any]:
+    """The `fsdp.cluster.hardware_facts` module's detection, run on a sysfs tree."""
+    path = ANSIBLE_DIR / "collections/ansible_collections/fsdp/cluster/plugins/modules/hardware_facts.py"
+    spec = importlib.util.spec_from_file_location("fsdp_hardware_facts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.detect(str(root))
+
+
+@pytest.fixture
+def gpu_node(tmp_path):
+    """Variables of node 0 of a p4d or p5 cluster, its hardware detected from an instance-like sysfs."""
+
+    def make(instance_type: str, **overrides: Any) -> dict[str, Any]:
+        root = tmp_path / f"sysfs-{instance_type}"
+        hardware = detect_hardware(root if root.exists() else sysfs_tree(root, instance_type))
+        return node_variables(tmp_path / f"state-{instance_type}", instance_type, hardware, **overrides)
+
+    return make
