@@ -407,7 +407,8 @@ def _delete_vpcs(aws: AwsClients, items: list[Leftover], out: Out):
 # ARN resource types covered by a kind above (or deleted together with one, like an FSx data
 # repository association with its file system).
 _COVERED_ARN_TYPES = {
-    ("ec2", t) for t in ("instance", "network-interface", "volume", "security-group", "launch-template",
+    ("ec2", t) for t in ("instance", "network-interface", "volume", "security-group", "security-group-rule",
+                         "launch-template",
                          "placement-group", "key-pair", "natgateway", "elastic-ip", "vpc-endpoint",
                          "internet-gateway", "route-table", "subnet", "vpc")
 } | {("fsx", "file-system"), ("fsx", "association"), ("scheduler", "schedule-group")}
