@@ -39,6 +39,7 @@ MANIFEST_FORMAT = "fsdp-cluster-checkpoint/1"
 DCP_METADATA = ".metadata"
 TMP_SUFFIX = ".tmp"
 _CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})$")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _HASH_CHUNK = 8 << 20
 
 
@@ -162,6 +163,11 @@ def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(
             manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
         return None, f"{path}: {MANIFEST} is not a {MANIFEST_FORMAT} manifest"
+    for name, entry in manifest["files"].items():
+        # plain names only: a manifest must not make us read or download outside its directory
+        if not _PLAIN_NAME.fullmatch(name) or name in (".", "..") or not isinstance(entry, dict) or not (
+                isinstance(entry.get("sha256"), str) and isinstance(entry.get("size"), int)):
+            return None, f"{path}: {MANIFEST}: malformed entry for {name!r}"
     return manifest, None
 
 
@@ -362,8 +368,6 @@ class S3Location:
         if problem:
             raise CheckpointError(f"{self.url}/{name}: {problem}")
         for file in sorted(manifest["files"]):
-            if "/" in file or file.startswith(".."):
-                raise CheckpointError(f"{self.url}/{name}: manifest names an unsafe path {file!r}")
             self.client.download_file(self.bucket, self.key(name, file), str(target / file))
 
 
@@ -502,8 +506,9 @@ class CheckpointManager:
     def _trainer_state(self, extra: dict[str, Any]) -> dict[str, Any]:
         return {
             "extra": {name: obj.state_dict() for name, obj in extra.items()},
+            # this rank's device only: get_rng_state_all() would open a context on every visible GPU
             "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                    "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None},
             "world_size": self.world_size,
         }
 
@@ -753,7 +758,7 @@ class CheckpointManager:
         if same_world:
             torch.set_rng_state(trainer_state["rng"]["torch"])
             if trainer_state["rng"]["cuda"] is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(trainer_state["rng"]["cuda"])
+                torch.cuda.set_rng_state(trainer_state["rng"]["cuda"])
         elif self.rank == 0:
             self.log(f"checkpoint: resharding {saved_world} -> {self.world_size} ranks; per-rank trainer "
                      "state (data loader, RNG) taken from rank 0's copy")

@@ -179,6 +179,16 @@ def test_unexpected_and_missing_files_are_problems(tmp_path: Path) -> None:
     assert any("trainer_state_rank0.pt: missing" in p for p in problems)
 
 
+def test_manifest_naming_a_path_outside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    train_and_save(tmp_path, Log(), 2)
+    checkpoint = tmp_path / "ckpt" / "step_00000002"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"]["../../outside"] = {"sha256": "0" * 64, "size": 1}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    expected = f"{checkpoint}: manifest.json: malformed entry for '../../outside'"
+    assert verify_checkpoint(checkpoint) == [expected]
+
+
 def test_explicit_resume_path_refuses_a_corrupt_checkpoint(tmp_path: Path) -> None:
     train_and_save(tmp_path, Log(), 4)
     chosen = tmp_path / "ckpt" / "step_00000002"
