@@ -417,6 +417,10 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
 
 
 # ---- rendering --------------------------------------------------------------------------------
+def _natural(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
@@ -534,6 +538,10 @@ def render_text(plan: OfflinePlan, cost: CostEstimate, today: date | None = None
     for record in mocks.resources:
         groups[record.component].append(record)
     for component, records in groups.items():
+        # Registration is asynchronous: keep each type where it first appeared, and order
+        # resources of one type by name (demo-node2 before demo-node10), so the output is stable.
+        first_seen = {r.type: i for i, r in reversed(list(enumerate(records)))}
+        records.sort(key=lambda r: (first_seen[r.type], _natural(r.name)))
         if not records:
             continue
         out.append(f"\n  {component.rsplit(':', 1)[-1] if component else 'Provider'}")
@@ -541,9 +549,8 @@ def render_text(plan: OfflinePlan, cost: CostEstimate, today: date | None = None
             out.append(
                 f"    {record.type.rsplit(':', 1)[-1]:<40} {record.name:<28} {describe(record)}".rstrip()
             )
-    out.append(
-        "\n  Resource counts: " + ", ".join(f"{t.rsplit(':', 1)[-1]} {n}" for t, n in mocks.counts().items())
-    )
+    counts = sorted(mocks.counts().items())
+    out.append("\n  Resource counts: " + ", ".join(f"{t.rsplit(':', 1)[-1]} {n}" for t, n in counts))
     lookups = sorted(
         {f"{lk.args.get('name')}" for lk in mocks.lookups if lk.token == "aws:ssm/getParameter:getParameter"}
     )

@@ -23,7 +23,9 @@ RESERVATION = "cr-0123456789abcdef0"
 
 
 def nodes(plan):
-    return [r for r in plan.mocks.of_type(INSTANCE) if RANK_TAG in r.tags]
+    """Node instances by rank (registration order is asynchronous, so not a rank order)."""
+    return sorted((r for r in plan.mocks.of_type(INSTANCE) if RANK_TAG in r.tags),
+                  key=lambda r: int(r.tags[RANK_TAG]))
 
 
 def bastions(plan):
