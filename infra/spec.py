@@ -208,6 +208,9 @@ class CheckpointBucket(_Model):
     retention_days: int = 7
     # Empty: derived from the cluster name, region and account.
     name: str | None = None
+    # `fsdpctl down` (and `pulumi destroy`) empties and deletes the bucket with the cluster, so
+    # nothing is left billing. Set true to keep it (and its checkpoints) after the cluster is gone.
+    keep_on_down: bool = False
 
     @field_validator("retention_days")
     @classmethod

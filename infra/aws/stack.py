@@ -265,14 +265,16 @@ def down(state: ClusterState, spec: ClusterSpec, force: bool = False, out: Out =
     aws = AwsClients.for_spec(spec)
     if command is not None:
         destroy_error = _destroy(spec, command, out)
-    report = sweep.sweep(aws, spec.name, force=force, out=out)
+    keep = frozenset({"s3-bucket"}) if spec.checkpoint_bucket.keep_on_down else frozenset()
+    report = sweep.sweep(aws, spec.name, force=force, out=out, keep_kinds=keep)
     if destroy_error and command is not None and force and report.clean:
         # The sweep removed what blocked the destroy; refresh lets Pulumi drop what is gone.
         out("pulumi destroy failed before the sweep; trying again now that the leftovers are gone")
         destroy_error = _destroy(spec, command, out, refresh=True)
     if report.clean and not destroy_error:
         state.remove()
-        out(f"cluster {spec.name}: nothing left in {spec.region}")
+        kept = "".join(f"; kept {item} (checkpoint_bucket.keep_on_down)" for item in report.kept)
+        out(f"cluster {spec.name}: nothing left in {spec.region}{kept}")
         return report
     problems = sweep.describe_report(report, spec.name)
     if destroy_error:

@@ -45,6 +45,8 @@ class SweepReport:
     found: list[Leftover] = field(default_factory=list)
     deleted: list[Leftover] = field(default_factory=list)
     failed: list[tuple[Leftover, str]] = field(default_factory=list)
+    # Found, but kept on purpose (e.g. the checkpoint bucket with checkpoint_bucket.keep_on_down).
+    kept: list[Leftover] = field(default_factory=list)
     # Kinds that could not be listed (no permission, API unavailable): the sweep cannot vouch for them.
     listing_errors: list[str] = field(default_factory=list)
 
@@ -403,6 +405,27 @@ def _delete_vpcs(aws: AwsClients, items: list[Leftover], out: Out):
     return _each(items, lambda v: aws.ec2.delete_vpc(VpcId=v.id), out)
 
 
+# ---- the checkpoint bucket -----------------------------------------------------------------------
+def _find_buckets(aws: AwsClients, cluster: str) -> list[Leftover]:
+    mappings = _paginate(aws.tagging, "get_resources", "ResourceTagMappingList",
+                         TagFilters=[{"Key": CLUSTER_TAG, "Values": [cluster]}], ResourceTypeFilters=["s3"])
+    return [Leftover("s3-bucket", m["ResourceARN"].rsplit(":", 1)[-1], "checkpoints") for m in mappings]
+
+
+def _empty_and_delete_bucket(aws: AwsClients, bucket: Leftover) -> None:
+    # A versioned bucket is empty only once every version and delete marker is gone.
+    for page in aws.s3.get_paginator("list_object_versions").paginate(Bucket=bucket.id):
+        doomed = [{"Key": v["Key"], "VersionId": v["VersionId"]}
+                  for v in page.get("Versions", []) + page.get("DeleteMarkers", [])]
+        if doomed:
+            aws.s3.delete_objects(Bucket=bucket.id, Delete={"Objects": doomed, "Quiet": True})
+    aws.s3.delete_bucket(Bucket=bucket.id)
+
+
+def _delete_buckets(aws: AwsClients, items: list[Leftover], out: Out):
+    return _each(items, lambda b: _empty_and_delete_bucket(aws, b), out)
+
+
 # ---- anything else the Tagging API knows ---------------------------------------------------------
 # ARN resource types covered by a kind above (or deleted together with one, like an FSx data
 # repository association with its file system).
@@ -411,7 +434,7 @@ _COVERED_ARN_TYPES = {
                          "launch-template",
                          "placement-group", "key-pair", "natgateway", "elastic-ip", "vpc-endpoint",
                          "internet-gateway", "route-table", "subnet", "vpc")
-} | {("fsx", "file-system"), ("fsx", "association"), ("scheduler", "schedule-group")}
+} | {("fsx", "file-system"), ("fsx", "association"), ("scheduler", "schedule-group"), ("s3", "bucket")}
 
 
 def _arn_resource(arn: str) -> tuple[str, str, str]:
@@ -430,7 +453,7 @@ def _find_tagged_others(aws: AwsClients, cluster: str) -> list[Leftover]:
         service, kind, rid = _arn_resource(m["ResourceARN"])
         if (service, kind) in _COVERED_ARN_TYPES:
             continue
-        out.append(Leftover("s3-bucket" if service == "s3" else f"{service}-{kind}", rid, m["ResourceARN"]))
+        out.append(Leftover(f"{service}-{kind}", rid, m["ResourceARN"]))
     return out
 
 
@@ -454,28 +477,38 @@ KINDS: list[Kind] = [
     Kind("route-table", _find_route_tables, _delete_route_tables),
     Kind("subnet", _find_subnets, _delete_subnets),
     Kind("vpc", _find_vpcs, _delete_vpcs),
+    Kind("s3-bucket", _find_buckets, _delete_buckets),
     Kind("other tagged resource", _find_tagged_others, None,
-         keep_reason="not deleted automatically (an S3 bucket holds checkpoints): empty and delete it "
-                     "in the AWS console or with the aws CLI, then run `fsdpctl down` again"),
+         keep_reason="of a kind the sweep does not delete: delete it in the AWS console or with the "
+                     "aws CLI, then run `fsdpctl down` again"),
 ]
 
 
-def find_leftovers(aws: AwsClients, cluster: str, out: Out = print) -> SweepReport:
+def find_leftovers(aws: AwsClients, cluster: str, out: Out = print,
+                   keep_kinds: frozenset[str] = frozenset()) -> SweepReport:
     report = SweepReport()
     for kind in KINDS:
         try:
-            report.found += kind.find(aws, cluster)
+            items = kind.find(aws, cluster)
+            if kind.name in keep_kinds:
+                report.kept += items
+            else:
+                report.found += items
         except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
             report.listing_errors.append(f"{kind.name}: {error_text(e)}")
             out(f"  could not list {kind.name}s: {error_text(e)}")
     return report
 
 
-def sweep(aws: AwsClients, cluster: str, *, force: bool = False, out: Out = print) -> SweepReport:
+def sweep(aws: AwsClients, cluster: str, *, force: bool = False, out: Out = print,
+          keep_kinds: frozenset[str] = frozenset()) -> SweepReport:
     """Find the cluster's tagged leftovers; with force delete them in dependency order, then look
-    again. The returned report's `found` is what is still there afterwards."""
+    again. The returned report's `found` is what is still there afterwards; kinds named in
+    `keep_kinds` are listed in `kept` and never deleted."""
     out(f"sweeping {aws.region} for resources tagged {CLUSTER_TAG}={cluster} ...")
-    report = find_leftovers(aws, cluster, out)
+    report = find_leftovers(aws, cluster, out, keep_kinds)
+    for item in report.kept:
+        out(f"  keeping {item}")
     if not report.found:
         return report
     for item in report.found:
@@ -490,7 +523,7 @@ def sweep(aws: AwsClients, cluster: str, *, force: bool = False, out: Out = prin
         failed = {f[0] for f in failures}
         report.failed += failures
         report.deleted += [i for i in items if i not in failed]
-    after = find_leftovers(aws, cluster, out)
+    after = find_leftovers(aws, cluster, out, keep_kinds)
     report.found, report.listing_errors = after.found, after.listing_errors
     return report
 

@@ -42,8 +42,13 @@ class Storage(pulumi.ComponentResource):
         days = spec.checkpoint_bucket.retention_days
         name_args = ({"bucket": spec.checkpoint_bucket.name} if spec.checkpoint_bucket.name
                      else {"bucket_prefix": bucket_prefix(spec.name)})
-        bucket = aws.s3.Bucket(ctx.resource_name("checkpoints"), **name_args,
-                               tags=ctx.tags_named("checkpoints"), opts=child)
+        keep = spec.checkpoint_bucket.keep_on_down
+        # Versioned objects would block the delete: force_destroy empties the bucket on destroy,
+        # unless the user asked to keep it, in which case Pulumi forgets it instead of deleting.
+        bucket = aws.s3.Bucket(ctx.resource_name("checkpoints"), **name_args, force_destroy=not keep,
+                               tags=ctx.tags_named("checkpoints"),
+                               opts=pulumi.ResourceOptions.merge(
+                                   child, pulumi.ResourceOptions(retain_on_delete=keep)))
         aws.s3.BucketPublicAccessBlock(
             ctx.resource_name("checkpoints"), bucket=bucket.id, block_public_acls=True,
             block_public_policy=True, ignore_public_acls=True, restrict_public_buckets=True, opts=child)

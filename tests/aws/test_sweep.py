@@ -185,12 +185,31 @@ def test_one_failed_deletion_is_reported_and_the_rest_continue(aws, planted):
     assert f"could not delete vpc {ids['vpc']} (10.42.0.0/16): DependencyViolation" in text
 
 
-def test_tagged_bucket_is_reported_but_never_deleted(aws):
+def _planted_bucket(aws, name: str) -> None:
+    aws.s3.create_bucket(Bucket=name)
+    aws.s3.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    aws.s3.put_bucket_tagging(Bucket=name, Tagging={"TagSet": tags()})
+    for _ in range(2):  # two versions of one object, then a delete marker
+        aws.s3.put_object(Bucket=name, Key="step-00010/__0_0.distcp", Body=b"shard")
+    aws.s3.delete_object(Bucket=name, Key="step-00010/__0_0.distcp")
+
+
+def test_tagged_bucket_is_found_and_with_force_emptied_and_deleted(aws):
     Ec2Extras(aws.ec2)
-    aws.s3.create_bucket(Bucket="sweepme-checkpoints-1")
-    aws.s3.put_bucket_tagging(Bucket="sweepme-checkpoints-1", Tagging={"TagSet": tags()})
-    report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
+    _planted_bucket(aws, "sweepme-checkpoints-1")
+    report = sweep.sweep(aws, CLUSTER, force=False, out=lambda _: None)
     assert [(i.kind, i.id) for i in report.found] == [("s3-bucket", "sweepme-checkpoints-1")]
-    assert report.deleted == []
-    assert "empty and delete it" in sweep.describe_report(report, CLUSTER)
-    aws.s3.head_bucket(Bucket="sweepme-checkpoints-1")
+    assert "--force` deletes it" in sweep.describe_report(report, CLUSTER)
+    report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
+    assert [(i.kind, i.id) for i in report.deleted] == [("s3-bucket", "sweepme-checkpoints-1")]
+    assert report.clean
+    assert "sweepme-checkpoints-1" not in [b["Name"] for b in aws.s3.list_buckets()["Buckets"]]
+
+
+def test_bucket_kept_on_purpose_is_reported_as_kept_not_left_over(aws):
+    Ec2Extras(aws.ec2)
+    _planted_bucket(aws, "sweepme-checkpoints-2")
+    report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None, keep_kinds=frozenset({"s3-bucket"}))
+    assert report.clean and report.deleted == []
+    assert [(i.kind, i.id) for i in report.kept] == [("s3-bucket", "sweepme-checkpoints-2")]
+    aws.s3.head_bucket(Bucket="sweepme-checkpoints-2")

@@ -283,6 +283,13 @@ def test_checkpoint_bucket_is_private_versioned_encrypted_and_expires_after_rete
     assert plan.outputs["checkpoint_bucket"].startswith("demo-checkpoints-")
 
 
+def test_checkpoint_bucket_goes_with_the_cluster_unless_kept(demo_plan):
+    # Versioned checkpoints would block `pulumi destroy`: the bucket is emptied on destroy by default.
+    assert demo_plan.mocks.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is True
+    kept = plan_of(checkpoint_bucket={"keep_on_down": True})
+    assert kept.mocks.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is False
+
+
 def test_named_checkpoint_bucket():
     plan = plan_of(checkpoint_bucket={"name": "acme-fsdp-checkpoints"})
     assert plan.mocks.one("aws:s3/bucket:Bucket").inputs["bucket"] == "acme-fsdp-checkpoints"
