@@ -360,14 +360,15 @@ class S3Location:
             log(f"checkpoint: deleted {self.url}/{name} (step {step}): more than keep_last={keep_last} "
                 "newer checkpoints")
 
-    def download(self, name: str, target: Path) -> None:
-        target.mkdir(parents=True)
-        manifest_key = self.key(name, MANIFEST)
-        self.client.download_file(self.bucket, manifest_key, str(target / MANIFEST))
+    def download_manifest(self, name: str, target: Path) -> dict[str, Any]:
+        self.client.download_file(self.bucket, self.key(name, MANIFEST), str(target / MANIFEST))
         manifest, problem = read_manifest(target)
         if problem:
             raise CheckpointError(f"{self.url}/{name}: {problem}")
-        for file in sorted(manifest["files"]):
+        return manifest
+
+    def download_files(self, name: str, target: Path, files: list[str]) -> None:
+        for file in files:
             self.client.download_file(self.bucket, self.key(name, file), str(target / file))
 
 
@@ -704,20 +705,34 @@ class CheckpointManager:
         return sorted(found, key=lambda c: (-c.step, order[c.where]))
 
     def _fetch(self, candidate: _Candidate) -> str:
-        """A local path all ranks can read; S3 copies are downloaded by rank 0 into the primary dir as a
-        ``.tmp`` directory (removed by the next save)."""
+        """A local path all ranks can read. An S3 copy is downloaded into the primary dir as a ``.tmp``
+        directory (removed by the next save): rank 0 fetches the manifest, then every rank a slice of
+        the files, so a large checkpoint comes down in parallel."""
         if candidate.where != "s3":
             return candidate.location
         target = self.root / f"{candidate.location}.from-s3{TMP_SUFFIX}"
         error = None
         if self.rank == 0:
             shutil.rmtree(target, ignore_errors=True)
-            self.log(f"checkpoint: downloading {self._s3.url}/{candidate.location} to {target}")
+            self.log(f"checkpoint: downloading {self.cfg.mirror_s3}/{candidate.location} to {target}")
             try:
-                self._s3.download(candidate.location, target)
+                target.mkdir(parents=True)
+                self._s3.download_manifest(candidate.location, target)
             except Exception as exc:
                 error = f"download failed: {type(exc).__name__}: {exc}"
         error = self._group.broadcast(error)
+        if error is None:
+            manifest, _ = read_manifest(target)
+            try:
+                if self._s3 is None:
+                    self._s3 = S3Location(self.cfg.mirror_s3)
+                self._s3.download_files(candidate.location, target,
+                                        _files_for_shard(manifest, self.rank, self.world_size))
+            except Exception as exc:
+                error = f"rank {self.rank}: download failed: {type(exc).__name__}: {exc}"
+            errors = self._group.gather(error, self.rank, self.world_size)
+            merged = "; ".join(e for e in errors if e) if self.rank == 0 else None
+            error = self._group.broadcast(merged or None)
         return f"{target} ({error})" if error else str(target)
 
     def _verify_together(self, path_text: str) -> list[str]:
