@@ -50,6 +50,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
         lr_multiplier, warmup=cfg.warmup_steps, total=total_steps, min_ratio=cfg.min_lr_ratio))
 
 
+def follow_schedule(optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """After a resume, set the learning rate the schedule gives for the restored step: the optimizer
+    state carries the previous run's last value, which differs when --steps (the cosine's end) changed."""
+    for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["lr"] = group["initial_lr"] * multiplier(scheduler.last_epoch)
+
+
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -151,6 +158,8 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
     checkpoints = CheckpointManager(cfg.checkpoint, rank=runtime.rank, world_size=runtime.world_size,
                                     log=main_log)
     start = checkpoints.maybe_resume(model, optimizer, extra)
+    if start:
+        follow_schedule(optimizer, scheduler)
     metrics = MetricsLogger(
         cfg.metrics, runtime, total_steps=cfg.training.steps,
         tokens_per_step=cfg.training.global_batch_size * cfg.data.seq_len,
