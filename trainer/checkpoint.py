@@ -399,10 +399,6 @@ class _Group:
         dist.gather_object(obj, out, dst=0, group=self.pg)
         return out
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.pg)
-
 
 @dataclass(frozen=True)
 class _Candidate:
@@ -431,13 +427,28 @@ class CheckpointManager:
         if not self.enabled:
             return
         self._group = _Group()
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if self.mirror_root is not None:
-                self.mirror_root.mkdir(parents=True, exist_ok=True)
-            if cfg.mirror_s3:
-                self._s3 = S3Location(cfg.mirror_s3)
+        self._on_rank0(self._prepare_dirs, "cannot prepare the checkpoint locations")
         self._check_shared_dir()
+
+    def _on_rank0(self, work: Callable[[], None], what: str) -> None:
+        """Run ``work`` on rank 0 and raise its failure on every rank, so that none waits for rank 0 in a
+        collective that never comes."""
+        error = None
+        if self.rank == 0:
+            try:
+                work()
+            except Exception as exc:
+                error = f"{what}: {type(exc).__name__}: {exc}"
+        error = self._group.broadcast(error)
+        if error:
+            raise CheckpointError(error)
+
+    def _prepare_dirs(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.mirror_root is not None:
+            self.mirror_root.mkdir(parents=True, exist_ok=True)
+        if self.cfg.mirror_s3:
+            self._s3 = S3Location(self.cfg.mirror_s3)
 
     # --- setup --------------------------------------------------------------------------------------
 
@@ -479,12 +490,14 @@ class CheckpointManager:
         started = time.monotonic()
         final = self.root / checkpoint_name(step)
         tmp = final.with_name(final.name + TMP_SUFFIX)
-        if self.rank == 0:
+
+        def prepare() -> None:
             for stale in interrupted_saves(self.root):
                 self.log(f"checkpoint: removing {stale} (left behind by an interrupted save; never loaded)")
                 shutil.rmtree(stale)
             tmp.mkdir()
-        self._group.barrier()
+
+        self._on_rank0(prepare, f"cannot start checkpoint step {step} in {tmp}")
 
         torch.save(self._trainer_state(extra), tmp / _trainer_state_name(self.rank))
         model_state, optim_state = get_state_dict(model, optimizer)

@@ -351,3 +351,9 @@ def test_failed_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
     log = Log()
     _, step = resume(tmp_path, log)
     assert step == 0 and log.mentions("ignoring", "step_00000002.tmp")
+
+
+def test_unusable_checkpoint_dir_is_reported_at_start(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(CheckpointError, match=r"cannot prepare the checkpoint locations: .*a-file"):
+        manager(tmp_path, Log(), dir=str(tmp_path / "a-file"))
