@@ -679,9 +679,13 @@ class CheckpointManager:
                                       + "; ".join(problems) + "; fix: pick another checkpoint "
                                       f"(python -m trainer.checkpoint list {Path(self.cfg.resume).parent}) "
                                       "or --resume auto")
-        if candidates and self.rank == 0:
-            self.log("checkpoint: no checkpoint verified; starting from step 0")
-        elif self.rank == 0:
+        if candidates:
+            # Silently starting over would throw away the run and, by step order, let retention prune the
+            # new checkpoints in favour of the damaged ones.
+            raise CheckpointError(
+                f"none of the {len(candidates)} checkpoint(s) in {self._copies()} verified (problems above); "
+                "fix: restore a good copy, or move them away and start again with --resume none")
+        if self.rank == 0:
             self.log(f"checkpoint: no checkpoint in {self._copies()}; starting from step 0")
         return 0
 

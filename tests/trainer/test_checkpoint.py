@@ -151,6 +151,16 @@ def test_flipped_byte_is_reported_and_older_checkpoint_loaded(tmp_path: Path) ->
     assert log.mentions("NOT loading", "step_00000004", "__0_0.distcp", "SHA256 mismatch")
 
 
+def test_no_verified_checkpoint_refuses_to_start_over(tmp_path: Path) -> None:
+    train_and_save(tmp_path, Log(), 4)
+    for checkpoint in (tmp_path / "ckpt").iterdir():
+        flip_byte(checkpoint / "__0_0.distcp")
+    log = Log()
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoint\(s\) .* verified"):
+        resume(tmp_path, log)
+    assert log.mentions("NOT loading", "step_00000004") and log.mentions("NOT loading", "step_00000002")
+
+
 def test_missing_manifest_and_interrupted_save_are_never_loaded(tmp_path: Path) -> None:
     train_and_save(tmp_path, Log(), 4)
     root = tmp_path / "ckpt"
