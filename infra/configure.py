@@ -206,6 +206,8 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
             "ANSIBLE_HOME": str(ansible_home),
             "ANSIBLE_LOCAL_TEMP": str(ansible_home / "tmp"),
             "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control_dir),
+            # Host keys are pinned in the cluster's known_hosts; a user's environment must not turn that off.
+            "ANSIBLE_HOST_KEY_CHECKING": "True",
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_RETRY_FILES_ENABLED": "False",
         }

@@ -195,6 +195,7 @@ def _create(state: ClusterState, plan: LocalPlan, progress: Progress) -> None:
         _attach_veth(node, plan, procs[node.rank], deadline)
     ssh = {"user": SSH_USER, "key_file": str(key_file), "known_hosts": str(known_hosts_file),
            "proxy_jump": None}
+    progress(f"local: waiting for {len(plan.nodes)} node(s) to boot (systemd, sshd)")
     for node in plan.nodes:
         _wait_booted(node, ssh, procs[node.rank], deadline, progress)
     state.update(nodes=[{"rank": n.rank, "name": n.name, "address": n.address} for n in plan.nodes],
@@ -320,6 +321,21 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def _nspawn_pids(plan: LocalPlan) -> list[int]:
+    return [pid for pid, cmd in _processes_of(plan).items() if "systemd-nspawn" in cmd.split(" ", 1)[0]]
+
+
+def _stop_in_order(plan: LocalPlan, nspawn: list[int]) -> None:
+    """SIGTERM makes nspawn ask the node's systemd to shut down. A node still booting may not have
+    its signal handlers yet and drops the request, so repeat it until nspawn exits or time is up."""
+    end = time.monotonic() + STOP_TIMEOUT_S
+    while nspawn and time.monotonic() < end:
+        _signal_all(nspawn, signal.SIGTERM)
+        resend = time.monotonic() + 2
+        while (nspawn := _nspawn_pids(plan)) and time.monotonic() < min(resend, end):
+            time.sleep(0.1)
+
+
 def _wait_gone(plan: LocalPlan, timeout: float) -> dict[int, str]:
     end = time.monotonic() + timeout
     while (left := _processes_of(plan)) and time.monotonic() < end:
@@ -344,11 +360,11 @@ def down(state: ClusterState, progress: Progress = print) -> None:
     for control_dir in state.runs_dir.glob("*/cp"):
         close_control_masters(control_dir)
     # nspawn turns SIGTERM into an orderly shutdown of the node's systemd.
-    nspawn = [pid for pid, cmd in _processes_of(plan).items() if "systemd-nspawn" in cmd.split(" ", 1)[0]]
+    nspawn = _nspawn_pids(plan)
     if nspawn:
         progress(f"local: stopping {len(nspawn)} node(s)")
-        _signal_all(nspawn, signal.SIGTERM)
-    left = _wait_gone(plan, STOP_TIMEOUT_S if nspawn else 0)
+        _stop_in_order(plan, nspawn)
+    left = _processes_of(plan)
     if left:  # a killed nspawn leaves its container's init behind; a stuck shutdown, everything
         progress(f"local: killing {len(left)} leftover process(es)")
         _signal_all(list(left), signal.SIGKILL)

@@ -4,7 +4,10 @@ lifecycle commands around them, and a teardown that leaves nothing behind."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -143,8 +146,28 @@ def test_exclude_removes_the_node_from_inventory_and_later_stages(cluster, state
         state.update(excluded=[])
 
 
+def process_gone(pid: int) -> bool:
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_up_on_a_broken_cluster_is_a_clear_error(cluster):
+    """Kills node1's nspawn: its container's init lives on, orphaned, for `down` to find (next test)."""
+    home, spec = cluster
+    node1 = read_state(home, NAME)["local"]["nodes"][1]
+    pid = int(Path(node1["dir"], "nspawn.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    while not process_gone(pid):
+        time.sleep(0.05)
+    again = fsdpctl(home, "up", str(spec), "--target", "local", check=False)
+    assert again.returncode == 2
+    assert f"{NAME}-node1: not running" in again.stderr and "fsdpctl down --cluster" in again.stderr
+
+
 def test_down_leaves_nothing_behind_and_is_safe_twice(cluster):
-    """Last in the module: it takes the module's cluster down."""
+    """Last in the module: it takes the module's cluster down (one node's nspawn killed before)."""
     home, _ = cluster
     local = read_state(home, NAME)["local"]
     down = fsdpctl(home, "down")
