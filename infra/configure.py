@@ -27,6 +27,7 @@ import yaml
 from infra import state as state_mod
 from infra.cli import CommandError
 from infra.inventory import write_inventory
+from infra.lifecycle import show_progress_live
 from infra.remote import close_control_masters, cluster_nodes
 from infra.state import ClusterState
 
@@ -249,6 +250,7 @@ def print_summary(result: ConfigureResult, out: Callable[[str], None] = print) -
 
 
 def cmd_configure(args: Namespace) -> int:
+    show_progress_live()
     state = state_mod.resolve(args.cluster)
     result = run_configure(state, tags=args.tags, limit=args.limit,
                            extra_vars=parse_extra_vars(args.extra_vars))

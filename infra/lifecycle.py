@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 import signal
+import sys
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +49,14 @@ def _same_cluster(state: ClusterState, spec: ClusterSpec, target: str, node_coun
     return differences
 
 
+def show_progress_live() -> None:
+    """Progress lines reach a pipe (tee, CI logs) as they happen, not when the buffer fills."""
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
+
+
 def cmd_up(args: Namespace) -> int:
+    show_progress_live()
     spec = load_spec(args.spec)
     for warning in spec.warnings():
         print(f"warning: {warning}")
@@ -112,6 +121,7 @@ def _up_aws(spec_file: Path, spec: ClusterSpec) -> int:
 
 
 def cmd_down(args: Namespace) -> int:
+    show_progress_live()
     try:
         state = state_mod.resolve(args.cluster)
     except StateError as e:

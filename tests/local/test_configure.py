@@ -3,7 +3,13 @@ then idempotence (a second run changes nothing) and a failing task named with it
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -121,6 +127,38 @@ def test_second_configure_changes_nothing(first_run, state):
     assert set(result.hosts) == set(NODES)
     assert {h: s.changed for h, s in result.hosts.items()} == dict.fromkeys(NODES, 0), "\n".join(
         line for line in out if line.lstrip().startswith("changed"))
+
+
+def test_sigterm_cancels_configure_and_leaves_no_process(first_run, cluster):
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "fsdpctl"), "configure"], cwd=REPO, text=True,
+                            env={**os.environ, "FSDPCTL_HOME": str(cluster)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # wait until tasks are running on the nodes
+        seen.append(line)
+        if line.split()[:1] in (["ok"], ["changed"], ["skipped"]):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, "".join(seen) + out + err
+    assert "configure canceled" in out
+    deadline = time.monotonic() + 30  # killed workers may take a moment to be reaped
+    while (left := processes_mentioning(cluster)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
+
+
+def processes_mentioning(path: Path) -> list[str]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(path) in cmdline and "systemd-nspawn" not in cmdline:
+            found.append(f"{entry}: {cmdline[:150]}")
+    return found
 
 
 def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):

@@ -1,0 +1,72 @@
+"""Without root: the names and addresses a local cluster will use, and the rootfs cache's lock and
+unpack path (a small stand-in tarball under a private FSDPCTL_CACHE)."""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from infra.cli import CommandError
+from infra.local import rootfs
+from infra.local.nodes import make_plan
+from infra.spec import load_spec
+from infra.state import cluster_state
+from tests.local.conftest import spec_file
+
+
+def test_plan_addresses_names_and_gateway(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
+    spec = load_spec(spec_file(tmp_path, "lnt-plan"))
+    plan = make_plan(cluster_state("lnt-plan"), spec, 254 - 2, Path("/image"))
+    assert (plan.bridge_address, plan.gateway) == ("198.18.1.1", "198.18.1.254")
+    assert [n.address for n in plan.nodes[:2]] == ["198.18.1.2", "198.18.1.3"]
+    assert plan.nodes[-1].address == "198.18.1.253"
+    assert [n.name for n in plan.nodes[:2]] == ["lnt-plan-node0", "lnt-plan-node1"]
+    assert all(len(name) <= 15 for name in [plan.bridge, *(n.veth for n in plan.nodes)])
+    assert len({n.machine_id for n in plan.nodes}) == len(plan.nodes)
+    # another FSDPCTL_HOME, same cluster name: no shared link names
+    monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "other-home"))
+    assert make_plan(cluster_state("lnt-plan"), spec, 2, Path("/image")).bridge != plan.bridge
+
+
+def test_plan_refuses_more_nodes_than_the_subnet_holds(tmp_path, monkeypatch):
+    monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
+    spec = load_spec(spec_file(tmp_path, "lnt-small", local={"subnet_cidr": "198.18.1.0/28"}))
+    make_plan(cluster_state("lnt-small"), spec, 12, Path("/image"))
+    with pytest.raises(CommandError, match=r"node_count 13: local.subnet_cidr 198.18.1.0/28 holds 1 to 12"):
+        make_plan(cluster_state("lnt-small"), spec, 13, Path("/image"))
+
+
+def test_rootfs_waits_for_the_lock_then_unpacks_the_cached_tarball(tmp_path, monkeypatch):
+    if not shutil.which("zstd"):
+        pytest.skip("zstd is not installed (make host-packages)")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FSDPCTL_CACHE", str(cache))
+    key = rootfs.cache_key(rootfs.image_packages())
+    content = tmp_path / "content"
+    (content / "etc").mkdir(parents=True)
+    (content / "etc/os-release").write_text("ID=debian\n")
+    cache.mkdir()
+    tarball = cache / f"{rootfs.SUITE}-{key}.tar.zst"
+    subprocess.run(["tar", "-I", "zstd", "-cf", str(tarball), "-C", str(content), "."], check=True)
+    result: dict[str, Path] = {}
+    messages: list[str] = []
+    with open(cache / "rootfs.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another builder is busy
+        worker = threading.Thread(target=lambda: result.update(root=rootfs.ensure_rootfs(messages.append)))
+        worker.start()
+        worker.join(timeout=1)
+        assert worker.is_alive() and not result, "ensure_rootfs must wait for the lock"
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    worker.join(timeout=60)
+    root = result["root"]
+    assert root == cache / f"{rootfs.SUITE}-{key}"
+    assert (root / "etc/os-release").read_text() == "ID=debian\n"
+    assert (root / rootfs.READY_MARKER).exists()
+    assert any("unpacking cached image" in m for m in messages)
+    assert rootfs.ensure_rootfs(messages.append) == root  # ready: no lock, no work
