@@ -329,7 +329,9 @@ def _problems_from_validation(err: ValidationError) -> list[Problem]:
             problems.append(Problem(key, e.get("input"), "is not a known key", fix))
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            problems.append(Problem(key, e.get("input"), msg, f"give a valid value (see {DOCS})"))
+            wanted = msg.removeprefix("Input should be ")
+            fix = f"make it {wanted}" if wanted != msg else f"give a valid value (see {DOCS})"
+            problems.append(Problem(key, e.get("input"), msg, fix))
     return problems
 
 
@@ -360,4 +362,5 @@ def load_config(name_or_path: str, overrides: list[str] = (), values: dict[str, 
         _assign(data, *_parse_assignment(assignment))
     for key, value in (values or {}).items():
         _assign(data, key, value)
-    return parse_config(data, str(path))
+    source = f"{path} with the command-line overrides" if overrides or values else str(path)
+    return parse_config(data, source)
