@@ -60,7 +60,7 @@ def stderr_log(message: str) -> None:
 
 class MetricsLogger:
     def __init__(self, cfg: MetricsConfig, runtime: Runtime, *, total_steps: int, tokens_per_step: int,
-                 samples_per_step: int, flops_per_token: int, run_info: dict,
+                 samples_per_step: int, flops_per_token: int, run_info: dict, hosts: list[str],
                  log: Callable[[str], None] = stderr_log):
         self.cfg, self.runtime, self.total_steps, self.log = cfg, runtime, total_steps, log
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
@@ -68,6 +68,7 @@ class MetricsLogger:
         self.peak_flops = device_peak_flops(runtime.device, cfg.peak_flops)
         self.info = {"world_size": runtime.world_size, "nodes": runtime.num_nodes,
                      "ranks_per_node": runtime.local_world_size, "device": runtime.device.type, **run_info}
+        self.hosts = hosts  # per rank; in the summary only, to keep step lines short at scale
         self.records: list[dict] = []
         self.started = time.perf_counter()
         self._file = None
@@ -129,7 +130,7 @@ class MetricsLogger:
             "max_mem_bytes": max((r["max_mem_bytes"] for r in self.records), default=None),
             "mem_max_min_ratio": max((r["mem_max_min_ratio"] for r in self.records), default=None),
             "skipped_steps": sum(r["skipped"] for r in self.records),
-            "wall_time_s": time.perf_counter() - self.started, **self.info,
+            "wall_time_s": time.perf_counter() - self.started, **self.info, "rank_hosts": self.hosts,
         }
         self._write(summary)
         if self._file:

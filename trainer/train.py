@@ -160,12 +160,15 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
     start = checkpoints.maybe_resume(model, optimizer, extra)
     if start:
         follow_schedule(optimizer, scheduler)
+    hosts = [None] * runtime.world_size
+    dist.all_gather_object(hosts, runtime.hostname)
     metrics = MetricsLogger(
         cfg.metrics, runtime, total_steps=cfg.training.steps,
         tokens_per_step=cfg.training.global_batch_size * cfg.data.seq_len,
         samples_per_step=cfg.training.global_batch_size,
         flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
-        run_info={"strategy": str(cfg.parallel.strategy), "params": cfg.model.num_params}, log=main_log)
+        run_info={"strategy": str(cfg.parallel.strategy), "params": cfg.model.num_params}, hosts=hosts,
+        log=main_log)
     try:
         for step in range(start + 1, cfg.training.steps + 1):
             result = train_step(model, optimizer, scheduler, loader, strategy=cfg.parallel.strategy,

@@ -49,6 +49,7 @@ def test_one_record_per_step_then_summary(tiny_run):
     assert summary["event"] == "summary" and summary["steps"] == len(steps)
     assert summary["final_loss"] == steps[-1]["loss"] < 0.9 * steps[0]["loss"]
     assert summary["max_mem_bytes"] == max(r["max_mem_bytes"] for r in steps)
+    assert len(summary["rank_hosts"]) == 2 and summary["rank_hosts"][0] == summary["rank_hosts"][1]
 
 
 def test_progress_and_sharding_report_on_rank_0(tiny_run):
