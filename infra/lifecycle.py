@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import io
 import signal
 import sys
@@ -34,6 +35,21 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(cluster: str) -> Iterator[None]:
+    """One up/down per cluster at a time: a second `up` failing half-way would tear down the
+    resources the first is still building (they have the same names)."""
+    lock_dir = state_mod.home() / "locks"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / f"{cluster}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CommandError(f"another `fsdpctl up` or `fsdpctl down` is running on cluster {cluster}; "
+                               "wait for it to finish, then run this again") from None
+        yield
 
 
 def _same_cluster(state: ClusterState, spec: ClusterSpec, target: str, node_count: int | None) -> list[str]:
@@ -64,10 +80,12 @@ def cmd_up(args: Namespace) -> int:
         if args.nodes is not None:
             raise CommandError("--nodes applies to the local target only; on aws set node_count in "
                                f"{args.spec}")
-        return _up_aws(args.spec, spec)
+        with _one_at_a_time(spec.name):
+            return _up_aws(args.spec, spec)
     if args.nodes is not None and args.nodes < 1:
         raise CommandError(f"--nodes {args.nodes}: a cluster needs at least 1 node; use e.g. --nodes 2")
-    return _up_local(args.spec, spec, args.nodes or spec.node_count)
+    with _one_at_a_time(spec.name):
+        return _up_local(args.spec, spec, args.nodes or spec.node_count)
 
 
 def _up_local(spec_file: Path, spec: ClusterSpec, node_count: int) -> int:
@@ -127,18 +145,18 @@ def cmd_down(args: Namespace) -> int:
     except StateError as e:
         print(f"nothing to tear down: {e}")
         return 0
-    target = state.read().get("target")
-    if target == "aws":
-        from infra.aws import stack
+    with _one_at_a_time(state.name):
+        if state.read().get("target") == "aws":
+            from infra.aws import stack
 
-        stack.down(state, state.spec(), force=args.force)
-    else:
-        from infra.local import nodes
-        from infra.local.host import require_host
+            stack.down(state, state.spec(), force=args.force)
+        else:
+            from infra.local import nodes
+            from infra.local.host import require_host
 
-        require_host("fsdpctl down (local target)")
-        nodes.down(state)
-    state.remove()
+            require_host("fsdpctl down (local target)")
+            nodes.down(state)
+        state.remove()
     print(f"cluster {state.name} is down; its state dir {state.root} is removed")
     return 0
 

@@ -42,7 +42,7 @@ READY_MARKER = ".fsdp-rootfs-ready"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("FSDPCTL_CACHE") or Path.home() / ".cache/fsdp-cluster")
+    return Path(os.environ.get("FSDPCTL_CACHE") or Path.home() / ".cache/fsdp-cluster").absolute()
 
 
 def role_packages(defaults_file: Path = COMMON_DEFAULTS) -> list[str]:
@@ -129,7 +129,25 @@ def ensure_rootfs(progress: Callable[[str], None] = print) -> Path:
             progress(f"rootfs: image ready in {time.monotonic() - started:.0f} s: {tarball} "
                      f"({tarball.stat().st_size / 2**20:.0f} MiB)")
         (root / READY_MARKER).write_text(json.dumps({"packages": packages}) + "\n")
+        _prune_images(keep=root, progress=progress)
     return root
+
+
+def _prune_images(keep: Path, progress: Callable[[str], None]) -> None:
+    """Remove images built for other package lists, unless a running node's overlay still uses one."""
+    with open("/proc/self/mounts") as mounts:
+        in_use = " ".join(line for line in mounts if line.startswith("overlay "))
+    for old in keep.parent.glob(f"{SUITE}-*"):
+        image = old.with_name(old.name.removesuffix(".tar.zst"))
+        if image == keep or not re.fullmatch(rf"{SUITE}-[0-9a-f]{{16}}", image.name):
+            continue
+        if f"lowerdir={image}," in in_use or f"lowerdir={image}:" in in_use:
+            continue
+        progress(f"rootfs: removing {old.name}, built for another package list")
+        if old.is_dir():
+            _remove_tree(old)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def _run(argv: list[str]) -> None:

@@ -42,8 +42,13 @@ def wait_until_nodes_started(home: Path, name: str, proc: subprocess.Popen) -> d
 
 def test_down_cleans_up_after_a_sigkilled_up(prerequisites, tmp_path):
     home, name = tmp_path / "home", "lnt-kill"
-    proc = start_up(home, spec_file(tmp_path, name))
+    spec = spec_file(tmp_path, name)
+    proc = start_up(home, spec)
     local = wait_until_nodes_started(home, name, proc)
+    # a second `up` of the same cluster meanwhile is refused, and leaves the first one alone
+    second = fsdpctl(home, "up", str(spec), "--target", "local", check=False)
+    assert second.returncode == 2 and "another `fsdpctl up` or `fsdpctl down` is running" in second.stderr
+    assert proc.poll() is None
     proc.kill()
     proc.communicate()
     assert host_leftovers(home, local), "the killed up should have left running nodes for down to find"

@@ -42,7 +42,7 @@ def test_plan_refuses_more_nodes_than_the_subnet_holds(tmp_path, monkeypatch):
         make_plan(cluster_state("lnt-small"), spec, 13, Path("/image"))
 
 
-def test_rootfs_waits_for_the_lock_then_unpacks_the_cached_tarball(tmp_path, monkeypatch):
+def test_rootfs_waits_for_the_lock_unpacks_the_cached_tarball_and_prunes_old_images(tmp_path, monkeypatch):
     if not shutil.which("zstd"):
         pytest.skip("zstd is not installed (make host-packages)")
     cache = tmp_path / "cache"
@@ -54,6 +54,10 @@ def test_rootfs_waits_for_the_lock_then_unpacks_the_cached_tarball(tmp_path, mon
     cache.mkdir()
     tarball = cache / f"{rootfs.SUITE}-{key}.tar.zst"
     subprocess.run(["tar", "-I", "zstd", "-cf", str(tarball), "-C", str(content), "."], check=True)
+    stale = cache / f"{rootfs.SUITE}-0123456789abcdef"  # an image for another package list
+    (stale / "etc").mkdir(parents=True)
+    stale.with_name(stale.name + ".tar.zst").write_bytes(b"old")
+    (cache / "notes.txt").write_text("not an image\n")
     result: dict[str, Path] = {}
     messages: list[str] = []
     with open(cache / "rootfs.lock", "w") as lock:
@@ -70,3 +74,5 @@ def test_rootfs_waits_for_the_lock_then_unpacks_the_cached_tarball(tmp_path, mon
     assert (root / rootfs.READY_MARKER).exists()
     assert any("unpacking cached image" in m for m in messages)
     assert rootfs.ensure_rootfs(messages.append) == root  # ready: no lock, no work
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [root.name, tarball.name, "rootfs.lock", "notes.txt"])
