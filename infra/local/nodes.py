@@ -154,7 +154,10 @@ def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Progre
         _create(state, plan, progress)
     except BaseException as e:
         progress(f"local: `up` failed ({type(e).__name__}: {e}); removing what it created")
-        down(state, progress)
+        try:
+            down(state, progress)
+        except CommandError as cleanup:
+            raise CommandError(f"{e}\nRemoving what `up` had created failed too: {cleanup}") from e
         if isinstance(e, CommandError):
             raise CommandError(f"{e}\nEverything `up` had created was removed; fix the cause and run "
                                f"`fsdpctl up` again.") from e
