@@ -11,7 +11,7 @@ import pytest
 from infra.cli import CommandError
 from infra.local.host import REQUIRED_COMMANDS, require_host
 from infra.local.rootfs import cache_key, image_packages, role_packages
-from tests.local.conftest import fsdpctl, spec_file
+from tests.local.conftest import fsdpctl, missing_prerequisite, spec_file
 
 
 def test_not_root_is_refused_with_the_fix():
@@ -31,7 +31,7 @@ def test_missing_commands_name_the_package_and_the_apt_get_command():
 
 def test_cli_without_systemd_nspawn_on_path_creates_nothing(tmp_path):
     if os.geteuid() != 0:
-        pytest.skip("the root check comes first; this case needs root to reach the command check")
+        missing_prerequisite("the root check comes first; this case needs root to reach the command check")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for cmd in REQUIRED_COMMANDS:

@@ -54,13 +54,14 @@ def test_state_records_nodes_ssh_and_shared_dir(cluster):
 def test_each_node_has_its_own_identity(state):
     results = remote.run_all(state, "hostname; cat /etc/machine-id; "
                                     "ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub; "
-                                    "ip -4 -o addr show dev eth0; systemctl is-system-running", timeout=60)
+                                    "ip -4 -o addr show dev eth0; systemctl is-system-running; "
+                                    "systemctl --failed --no-legend --plain", timeout=60, check=False)
     lines = {rank: r.stdout.splitlines() for rank, r in results.items()}
     assert [lines[r][0] for r in (0, 1)] == [f"{NAME}-node0", f"{NAME}-node1"]
     assert lines[0][1] != lines[1][1], "machine-ids must differ"
     assert lines[0][2].split()[1] != lines[1][2].split()[1], "host keys must differ"
     assert "198.18.1.2/24" in lines[0][3] and "198.18.1.3/24" in lines[1][3]
-    assert [lines[r][4] for r in (0, 1)] == ["running", "running"]
+    assert [lines[r][4] for r in (0, 1)] == ["running", "running"], lines  # failed units listed after
 
 
 def test_bridge_allows_jumbo_frames_once_eth0_is_raised(state):

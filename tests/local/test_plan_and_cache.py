@@ -16,7 +16,7 @@ from infra.local import rootfs
 from infra.local.nodes import make_plan
 from infra.spec import load_spec
 from infra.state import cluster_state
-from tests.local.conftest import spec_file
+from tests.local.conftest import missing_prerequisite, spec_file
 
 
 def test_plan_addresses_names_and_gateway(tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_plan_refuses_more_nodes_than_the_subnet_holds(tmp_path, monkeypatch):
 
 def test_rootfs_waits_for_the_lock_unpacks_the_cached_tarball_and_prunes_old_images(tmp_path, monkeypatch):
     if not shutil.which("zstd"):
-        pytest.skip("zstd is not installed (make host-packages)")
+        missing_prerequisite("zstd is not installed (make host-packages)")
     cache = tmp_path / "cache"
     monkeypatch.setenv("FSDPCTL_CACHE", str(cache))
     key = rootfs.cache_key(rootfs.image_packages())
