@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.ansible.conftest import ANSIBLE_DIR, BIN, REPO, ansible_env, run_playbook
+from tests.ansible.conftest import ANSIBLE_DIR, BIN, REPO, ansible_env, run_playbook, sysfs_tree
 
 RECAP = re.compile(
     r"^localhost\s+: ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s+failed=(\d+)\s+skipped=(\d+)",
@@ -116,3 +116,26 @@ def test_skip_reports_skipped_with_its_reason(tmp_path):
     assert "needs a non-empty 'reason'" in result.stdout
     _, changed, _, failed, skipped = map(int, RECAP.search(result.stdout).groups())
     assert (skipped, failed, changed) == (1, 0, 0)
+
+
+def test_hardware_facts_module_sets_the_fact(tmp_path):
+    root = sysfs_tree(tmp_path / "sysfs", "p5.48xlarge")
+    result = run_playbook(
+        tmp_path,
+        f"""
+- name: Detect
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Detect the hardware of a p5-shaped sysfs
+      fsdp.cluster.hardware_facts:
+        sysfs_root: {root}
+    - name: Show the fact
+      ansible.builtin.debug:
+        msg: >-
+          counts {{{{ fsdp_hardware.gpu_count }}}} {{{{ fsdp_hardware.efa_count }}}}
+          {{{{ fsdp_hardware.nvme_instance_store | length }}}}
+""",
+    )
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "counts 8 32 8" in result.stdout
