@@ -3,14 +3,15 @@
 Nodes have no package index (local nodes have no network at all; AWS nodes sit in a private subnet),
 so the operator machine builds a *bundle*: the trainer wheel (`pip wheel --no-deps .`) plus a
 wheelhouse of its runtime dependencies (`pip download` for the nodes' Python, ABI and glibc, probed
-on the nodes). The bundle is unpacked once on the cluster's shared file system when there is one,
+on the nodes). Both are copied once to the cluster's shared file system when there is one,
 else copied to every node, and installed with `pip --no-index --find-links`.
 
 Caching, so that a second deploy is fast: the wheelhouse is keyed by the requirement list and the
 node platform, the trainer wheel by the hash of the source files it packages; both live under
-`$FSDPCTL_CACHE/deploy` on the operator machine. On the nodes, a bundle directory is complete once
-it holds `.complete`, and a venv records the bundle it was installed from, so an unchanged deploy
-uploads and installs nothing.
+`$FSDPCTL_CACHE/deploy` on the operator machine and are shipped separately, so a code change ships
+only the small trainer wheel. On the nodes a directory is complete once it holds `.complete`, and the
+venv records the wheelhouse and trainer wheel it holds, so an unchanged deploy uploads and installs
+nothing.
 
 torch: a node whose system Python already has the operator's torch version (e.g. a Deep Learning
 AMI) gets a `--system-site-packages` venv that reuses it; if every node has it, the wheelhouse leaves
@@ -25,7 +26,6 @@ import importlib.metadata
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,6 +44,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # package's readme): a change in any of them means a new wheel.
 _WHEEL_SOURCES = ("pyproject.toml", "README.md", "infra", "trainer")
 _WHEEL_SUFFIXES = {".py", ".yaml", ".json", ".toml", ".j2", ".md"}
+WHEELHOUSE_LAYOUT = "wheelhouse/2: wheels + constraints.txt"
 PROBE_TIMEOUT_S = 30
 INSTALL_TIMEOUT_S = 900
 
@@ -99,10 +100,19 @@ class NodePlatform:
 
 @dataclass(frozen=True)
 class Bundle:
-    key: str
-    directory: Path  # operator side: the wheels, constraints.txt, .complete
-    trainer_wheel: str  # file name inside the bundle
+    """The two halves of a deploy, each cached and shipped under its own content key: the dependency
+    wheelhouse (large, rarely changes) and the trainer wheel (small, changes with the code)."""
+
+    wheelhouse_key: str
+    wheelhouse: Path  # operator side: the dependency wheels, constraints.txt, .complete
+    trainer_key: str
+    trainer_dir: Path  # operator side: the trainer wheel, .complete
+    trainer_wheel: str  # its file name
     includes_torch: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.wheelhouse_key}-{self.trainer_key}"
 
 
 def _log(message: str) -> None:
@@ -174,7 +184,9 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
     """Build (or reuse from the cache) the trainer wheel and the dependency wheelhouse."""
     requirements = trainer_requirements(torch_pin)
     root = cache_root()
-    wheelhouse_key = _digest(*requirements, platform.python, platform.machine, platform.glibc)
+    # The layout version is part of the key: a cached wheelhouse of an older layout is not reused.
+    wheelhouse_key = _digest(WHEELHOUSE_LAYOUT, *requirements, platform.python, platform.machine,
+                             platform.glibc)
     wheelhouse = root / f"wheelhouse-{wheelhouse_key}"
     if (wheelhouse / ".complete").exists():
         _log(f"wheelhouse cached: {wheelhouse}")
@@ -186,6 +198,7 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
         partial.mkdir(parents=True)
         _run_pip(["download", "-q", "--dest", str(partial), *platform.pip_target_args(), *requirements],
                  "downloading the wheelhouse")
+        (partial / "constraints.txt").write_text((torch_pin or "") + "\n")
         (partial / ".complete").touch()
         subprocess.run(["rm", "-rf", str(wheelhouse)], check=True)
         partial.rename(wheelhouse)
@@ -205,23 +218,11 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
     if len(wheels) != 1:
         raise DeployError(f"expected one trainer wheel in {wheel_dir}, found {len(wheels)}: "
                           f"remove {wheel_dir} and rerun `fsdpctl deploy`")
-
-    key = _digest(wheelhouse_key, src_key)
-    directory = root / f"bundle-{key}"
-    bundle = Bundle(key=key, directory=directory, trainer_wheel=wheels[0].name,
-                    includes_torch=torch_pin is not None)
-    if not (directory / ".complete").exists():
-        # Bundles are cheap to remake from the cached parts (hard links): keep one on disk.
-        for stale in root.glob("bundle-*"):
-            shutil.rmtree(stale)
-        directory.mkdir(parents=True)
-        for path in [*wheelhouse.glob("*.whl"), wheels[0]]:
-            os.link(path, directory / path.name)
-        (directory / "constraints.txt").write_text((torch_pin or "") + "\n")
-        (directory / ".complete").touch()
-    size_mb = sum(p.stat().st_size for p in directory.glob("*.whl")) / 1e6
-    _log(f"bundle {key}: {len(list(directory.glob('*.whl')))} wheels, {size_mb:.0f} MB")
-    return bundle
+    deps = list(wheelhouse.glob("*.whl"))
+    _log(f"wheelhouse {wheelhouse_key}: {len(deps)} wheels, "
+         f"{sum(p.stat().st_size for p in deps) / 1e6:.0f} MB; trainer wheel {wheels[0].name}")
+    return Bundle(wheelhouse_key=wheelhouse_key, wheelhouse=wheelhouse, trainer_key=src_key,
+                  trainer_dir=wheel_dir, trainer_wheel=wheels[0].name, includes_torch=torch_pin is not None)
 
 
 def active_ranks(state: ClusterState, ranks: list[int] | None = None) -> list[int]:
@@ -277,39 +278,53 @@ def _common_platform(facts: dict[int, dict[str, Any]]) -> NodePlatform:
     return NodePlatform(python=python, machine=machine, glibc=glibc)
 
 
-def _install_script(bundle: Bundle, bundle_dir: str, venv: str, torch_version: str) -> str:
+def _install_script(bundle: Bundle, wheelhouse_dir: str, trainer_dir: str, venv: str,
+                    torch_version: str) -> str:
+    """Idempotent: the venv records which wheelhouse and which trainer wheel it holds, and only what
+    changed is installed."""
     q = shlex.quote
-    wheel = f"{bundle_dir}/{bundle.trainer_wheel}"
+    wheel = f"{trainer_dir}/{bundle.trainer_wheel}"
     reuse_torch = (f"python3 -c 'import torch, sys; sys.exit(torch.__version__.split(\"+\")[0] != "
                    f"\"{_public_version(torch_version)}\")' 2>/dev/null")
     return f"""set -e
 venv={q(venv)}
-if [ "$(cat "$venv/.fsdp-bundle" 2>/dev/null)" = {q(bundle.key)} ]; then echo "already installed"; exit 0; fi
+wheelhouse={q(wheelhouse_dir)}
+have_deps=$(cat "$venv/.fsdp-wheelhouse" 2>/dev/null || true)
+have_trainer=$(cat "$venv/.fsdp-trainer" 2>/dev/null || true)
+if [ "$have_deps" = {q(bundle.wheelhouse_key)} ] && [ "$have_trainer" = {q(bundle.trainer_key)} ]; then
+  echo "already installed"; exit 0
+fi
 if [ ! -x "$venv/bin/python" ]; then
   if {reuse_torch}; then flags=--system-site-packages; echo "reusing the node's torch"; else flags=; fi
   mkdir -p "$(dirname "$venv")"
   python3 -m venv $flags "$venv"
 fi
 install() {{ "$venv/bin/pip" install -q --no-compile --no-index "$@"; }}
-install --find-links {q(bundle_dir)} -c {q(bundle_dir + '/constraints.txt')} {q(wheel + '[trainer]')}
+if [ "$have_deps" != {q(bundle.wheelhouse_key)} ]; then
+  install --find-links "$wheelhouse" -c "$wheelhouse/constraints.txt" {q(wheel + '[trainer]')}
+  echo {q(bundle.wheelhouse_key)} > "$venv/.fsdp-wheelhouse"
+  what=installed
+else
+  what="trainer updated"
+fi
 install --no-deps --force-reinstall {q(wheel)}
-"$venv/bin/python" -c 'import torch, trainer; print("torch", torch.__version__)'
-echo {q(bundle.key)} > "$venv/.fsdp-bundle"
+echo {q(bundle.trainer_key)} > "$venv/.fsdp-trainer"
+"$venv/bin/python" -c 'import torch, trainer; print("'"$what"': torch", torch.__version__)'
 """
 
 
-def _upload(state: ClusterState, rank: int, bundle: Bundle, bundle_dir: str) -> str:
-    """Unpack the bundle at bundle_dir on the node unless it is already there; returns what happened."""
-    done = remote.run(state, rank, f"test -f {shlex.quote(bundle_dir)}/.complete", timeout=PROBE_TIMEOUT_S,
-                      check=False)
+def _upload(state: ClusterState, rank: int, local_dir: Path, remote_dir: str) -> str:
+    """Copy local_dir to remote_dir on the node unless it is already complete there; returns what
+    happened. A half-copied directory is never taken for complete: the copy lands beside it and is
+    renamed, and completeness is its `.complete` file."""
+    q = shlex.quote
+    done = remote.run(state, rank, f"test -f {q(remote_dir)}/.complete", timeout=PROBE_TIMEOUT_S, check=False)
     if done.returncode == 0:
         return "cached"
-    q = shlex.quote
-    # Unpack beside the final place, then rename: a half-copied bundle is never taken for complete.
-    partial = f"{bundle_dir}.partial"
+    partial = f"{remote_dir}.partial"
     remote.run(state, rank, f"rm -rf {q(partial)}", timeout=PROBE_TIMEOUT_S)
-    remote.copy_to(state, rank, bundle.directory, partial)
-    remote.run(state, rank, f"set -e; rm -rf {q(bundle_dir)}; mv {q(partial)} {q(bundle_dir)}",
+    remote.copy_to(state, rank, local_dir, partial)
+    remote.run(state, rank, f"set -e; rm -rf {q(remote_dir)}; mv {q(partial)} {q(remote_dir)}",
                timeout=PROBE_TIMEOUT_S)
     return "uploaded"
 
@@ -338,19 +353,22 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> dict[str, 
     bundle = build_bundle(platform, None if all_reuse else f"torch=={torch_version}")
 
     shared_dir = state.read().get("shared_dir")
-    if shared_dir:
-        bundle_dir = f"{shared_dir}/fsdp-cluster/bundles/{bundle.key}"
-        _log(f"bundle -> shared file system {bundle_dir} (through node {ranks[0]}): "
-             + _upload(state, ranks[0], bundle, bundle_dir))
-    else:
-        bundle_dir = f"{home}/.fsdp-cluster/bundles/{bundle.key}"
-        with ThreadPoolExecutor(max_workers=min(8, len(ranks))) as pool:
-            futures = {pool.submit(_upload, state, r, bundle, bundle_dir): r for r in ranks}
-            for fut in as_completed(futures):
-                _log(f"bundle -> node {futures[fut]}: {fut.result()}")
+    base = f"{shared_dir}/fsdp-cluster" if shared_dir else f"{home}/.fsdp-cluster"
+    wheelhouse_dir = f"{base}/wheelhouse/{bundle.wheelhouse_key}"
+    trainer_dir = f"{base}/trainer/{bundle.trainer_key}"
+    # On a shared file system one copy (through the first node) serves every node.
+    upload_ranks = ranks[:1] if shared_dir else ranks
+    where = "shared file system" if shared_dir else "node"
+    with ThreadPoolExecutor(max_workers=min(8, len(upload_ranks))) as pool:
+        futures = {pool.submit(lambda r: (_upload(state, r, bundle.wheelhouse, wheelhouse_dir),
+                                          _upload(state, r, bundle.trainer_dir, trainer_dir)), r): r
+                   for r in upload_ranks}
+        for fut in as_completed(futures):
+            deps, trainer = fut.result()
+            _log(f"{where} via node {futures[fut]}: wheelhouse {deps}, trainer wheel {trainer}")
 
     _log(f"installing into {venv} on {len(ranks)} node(s)")
-    script = _install_script(bundle, bundle_dir, venv, torch_version)
+    script = _install_script(bundle, wheelhouse_dir, trainer_dir, venv, torch_version)
     failures, installed = [], {}
     with ThreadPoolExecutor(max_workers=min(16, len(ranks))) as pool:
         t0 = time.monotonic()
@@ -373,7 +391,8 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> dict[str, 
     if failures:
         raise DeployError("installing the trainer failed:\n  " + "\n  ".join(sorted(failures)))
 
-    record = {"bundle": bundle.key, "venv": venv, "bundle_dir": bundle_dir, "ranks": sorted(ranks),
+    record = {"bundle": bundle.key, "venv": venv, "wheelhouse_dir": wheelhouse_dir,
+              "trainer_dir": trainer_dir, "ranks": sorted(ranks),
               "torch": torch_version, "includes_torch": bundle.includes_torch,
               "python": platform.python, "deployed_at": time.time()}
     state.update(deploy=record)
