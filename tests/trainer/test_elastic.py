@@ -1,11 +1,13 @@
-"""Elastic restart: two torchrun agents (one worker each) meet through c10d rendezvous on loopback; one
-worker is SIGKILLed mid-run; the agents restart the workers, which resume from the last checkpoint, and
-the job ends with the loss curve of an uninterrupted run."""
+"""Elastic restart: two torchrun agents (one worker each) meet through c10d rendezvous on loopback. A
+worker is SIGKILLed mid-run, or a whole node (agent and worker) is killed and a replacement agent joins;
+the workers restart, resume from the last checkpoint, and the job ends with the loss curve of an
+uninterrupted run."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,18 +27,33 @@ from tests.trainer.test_checkpoint_worker import (
 pytestmark = pytest.mark.slow
 
 
-def wait_for_step(metrics: Path, step: int, agents: list[subprocess.Popen], timeout: float) -> None:
+def wait_until(condition, agents: list[subprocess.Popen], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if metrics.exists() and max(losses(metrics), default=0) >= step:
+        if condition():
             return
-        assert all(agent.poll() is None for agent in agents), "an agent exited before the kill"
+        assert all(agent.poll() is None for agent in agents), f"an agent exited while waiting for {what}"
         time.sleep(0.1)
-    raise AssertionError(f"the job did not reach step {step} in {timeout} s")
+    raise AssertionError(f"no {what} after {timeout} s")
 
 
-def test_killed_worker_restarts_and_reproduces_the_loss_curve(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def worker_of(agent: subprocess.Popen, pids: Path) -> int:
+    for pid_file in pids.iterdir():
+        pid = int(pid_file.read_text())
+        # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm cannot hold ")" here (python)
+        if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:
+            return pid
+    raise AssertionError(f"no worker of agent {agent.pid} in {pids}")
+
+
+@pytest.mark.parametrize("failure", ["worker", "node"])
+def test_killed_worker_or_node_restarts_and_reproduces_the_loss_curve(
+        failure: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     reference = losses(reference_run(tmp_path_factory) / "metrics.jsonl")
     metrics, pids = tmp_path / "metrics.jsonl", tmp_path / "pids"
     pids.mkdir()
@@ -48,14 +65,30 @@ def test_killed_worker_restarts_and_reproduces_the_loss_curve(
             "--monitor-interval", "0.5",
             *worker_args(steps=REFERENCE_STEPS, metrics=metrics, step_sleep=0.6, pid_dir=pids,
                          checkpoint={"dir": str(tmp_path / "ckpt"), "interval": 3})]
-    logs = [tmp_path / f"agent{index}.log" for index in range(2)]
-    agents = [subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True) for log in logs]
+    logs: list[Path] = []
+    agents: list[subprocess.Popen] = []
+
+    def start_agent() -> subprocess.Popen:
+        logs.append(tmp_path / f"agent{len(logs)}.log")
+        agents.append(subprocess.Popen(argv, env=env, stdout=logs[-1].open("w"), stderr=subprocess.STDOUT,
+                                       start_new_session=True))
+        return agents[-1]
+
     try:
-        wait_for_step(metrics, 4, agents, timeout=180)
-        victim = int((pids / "1.pid").read_text())
-        os.kill(victim, signal.SIGKILL)
-        codes = [agent.wait(timeout=240) for agent in agents]
+        # The first agent hosts the rendezvous store (node 0 of a real job); the second is the one to fail.
+        host = start_agent()
+        wait_until(lambda: listening(port), agents, 120, "rendezvous store")
+        other = start_agent()
+        wait_until(lambda: metrics.exists() and max(losses(metrics), default=0) >= 4, agents, 180, "step 4")
+        if failure == "worker":
+            os.kill(int((pids / "1.pid").read_text()), signal.SIGKILL)
+        else:
+            # torchrun starts its workers in their own sessions: a dead node takes agent and worker
+            os.killpg(other.pid, signal.SIGKILL)
+            os.kill(worker_of(other, pids), signal.SIGKILL)
+            other.wait()
+            other = start_agent()  # the replacement node
+        codes = [host.wait(timeout=240), other.wait(timeout=240)]
     finally:
         for agent in agents:
             if agent.poll() is None:
