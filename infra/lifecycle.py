@@ -212,5 +212,6 @@ def cmd_exclude(args: Namespace) -> int:
     if len(excluded) < len(ranks):
         print(f"inventory rewritten without it: {write_inventory(state)}")
     else:
+        state.inventory_path.unlink(missing_ok=True)  # a stale inventory would still list the node
         print("every node is now excluded; later stages have nothing to run on")
     return 0

@@ -14,7 +14,7 @@ from infra import remote
 from infra import state as state_mod
 from infra.cli import CommandError
 from infra.inventory import build_inventory, render_ini, write_inventory
-from tests.local.conftest import spec_file
+from tests.local.conftest import fsdpctl, spec_file
 
 BASTION = "ubuntu@203.0.113.10"
 
@@ -129,3 +129,17 @@ def test_inventory_of_a_cluster_without_nodes_is_a_clear_error(home, tmp_path):
     state = state_mod.create(spec_path, state_mod.load_spec(spec_path), "local")
     with pytest.raises(CommandError, match="no nodes"):
         build_inventory(state)
+
+
+def test_exclude_validates_rank_and_reason_and_drops_a_fully_excluded_inventory(home, tmp_path):
+    state = local_state(tmp_path)
+    write_inventory(state)
+    unknown = fsdpctl(home, "exclude", "5", "--reason", "bad", check=False)
+    assert unknown.returncode == 2 and "no node with rank 5 (ranks: 0, 1)" in unknown.stderr
+    blank = fsdpctl(home, "exclude", "0", "--reason", "  ", check=False)
+    assert blank.returncode == 2 and "--reason is empty" in blank.stderr
+    fsdpctl(home, "exclude", "0", "--reason", "ECC errors")
+    assert "inv-local-node0" not in state.inventory_path.read_text()
+    last = fsdpctl(home, "exclude", "1", "--reason", "XID 79")
+    assert "every node is now excluded" in last.stdout and not state.inventory_path.exists()
+    assert [e["rank"] for e in state.read()["excluded"]] == [0, 1]
