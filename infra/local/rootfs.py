@@ -9,6 +9,7 @@ new image. Builds run under an fcntl lock, so concurrent `fsdpctl up` runs wait 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import hashlib
@@ -16,10 +17,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -86,7 +87,7 @@ def apt_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-@contextmanager
+@contextlib.contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "w") as lock:
@@ -118,14 +119,21 @@ def ensure_rootfs(progress: Callable[[str], None] = print) -> Path:
                      f"minute); {len(packages)} packages requested")
             started = time.monotonic()
             build = root.with_name(root.name + ".build")
-            _remove_tree(build)
-            _debootstrap(build, packages, progress)
-            _customise(build)
-            progress("rootfs: compressing the image into the cache")
             partial = tarball.with_name(tarball.name + ".partial")
-            _run(["tar", "--numeric-owner", "-I", "zstd -T0 -3", "-cf", str(partial), "-C", str(build), "."])
-            partial.rename(tarball)
-            build.rename(root)
+            _remove_tree(build)
+            try:
+                _debootstrap(build, packages, progress)
+                _customise(build)
+                progress("rootfs: compressing the image into the cache")
+                _run(["tar", "--numeric-owner", "-I", "zstd -T0 -3", "-cf", str(partial), "-C", str(build),
+                      "."])
+                partial.rename(tarball)
+                build.rename(root)
+            except BaseException:
+                progress("rootfs: build stopped; removing the partial image")
+                _remove_tree(build)
+                partial.unlink(missing_ok=True)
+                raise
             progress(f"rootfs: image ready in {time.monotonic() - started:.0f} s: {tarball} "
                      f"({tarball.stat().st_size / 2**20:.0f} MiB)")
         (root / READY_MARKER).write_text(json.dumps({"packages": packages}) + "\n")
@@ -178,11 +186,35 @@ def _unpack(tarball: Path, root: Path) -> None:
 
 
 def _debootstrap(target: Path, packages: list[str], progress: Callable[[str], None]) -> None:
-    """Run debootstrap, condensing its per-package log into one line per phase plus a heartbeat."""
+    """Run debootstrap into target, showing its progress. A failed run removes target; an interrupted one
+    is stopped with everything it started (the caller removes target)."""
     argv = ["debootstrap", "--variant=minbase", f"--include={','.join(packages)}", SUITE, str(target),
             apt_mirror()]
     target.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Its own process group, so an interrupted build can stop debootstrap and everything it started.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        tail = _follow_debootstrap(proc, progress)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.wait():
+        log = target / "debootstrap/debootstrap.log"
+        detail = "\n".join(tail[-15:])
+        if log.exists():
+            detail += "\n" + "\n".join(log.read_text().splitlines()[-15:])
+        _remove_tree(target)
+        raise CommandError(f"debootstrap of Debian {SUITE} failed (exit {proc.returncode}); a package in "
+                           f"{COMMON_DEFAULTS.name} (common_base_packages) may not exist in {SUITE}, or the "
+                           f"mirror is unreachable:\n{detail}")
+
+
+def _follow_debootstrap(proc: subprocess.Popen, progress: Callable[[str], None]) -> list[str]:
+    """Condense debootstrap's per-package log into one line per phase plus a heartbeat; returns the
+    last lines of output (for an error message)."""
     tail: list[str] = []
     phase, count, last_report = "", 0, time.monotonic()
     assert proc.stdout is not None
@@ -201,15 +233,7 @@ def _debootstrap(target: Path, packages: list[str], progress: Callable[[str], No
         if time.monotonic() - last_report > 10:
             progress(f"rootfs: {phase} ... {count} steps")
             last_report = time.monotonic()
-    if proc.wait():
-        log = target / "debootstrap/debootstrap.log"
-        detail = "\n".join(tail[-15:])
-        if log.exists():
-            detail += "\n" + "\n".join(log.read_text().splitlines()[-15:])
-        _remove_tree(target)
-        raise CommandError(f"debootstrap of Debian {SUITE} failed (exit {proc.returncode}); a package in "
-                           f"{COMMON_DEFAULTS.name} (common_base_packages) may not exist in {SUITE}, or the "
-                           f"mirror is unreachable:\n{detail}")
+    return tail
 
 
 def _customise(root: Path) -> None:

@@ -4,9 +4,13 @@ unpack path (a small stand-in tarball under a private FSDPCTL_CACHE)."""
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ from infra.local import rootfs
 from infra.local.nodes import make_plan
 from infra.spec import load_spec
 from infra.state import cluster_state
-from tests.local.conftest import missing_prerequisite, spec_file
+from tests.local.conftest import REPO, missing_prerequisite, spec_file
 
 
 def test_plan_addresses_names_and_gateway(tmp_path, monkeypatch):
@@ -76,3 +80,51 @@ def test_rootfs_waits_for_the_lock_unpacks_the_cached_tarball_and_prunes_old_ima
     assert rootfs.ensure_rootfs(messages.append) == root  # ready: no lock, no work
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [root.name, tarball.name, "rootfs.lock", "notes.txt"])
+
+
+def fake_debootstrap(bin_dir: Path, body: str) -> dict[str, str]:
+    """PATH with a stand-in debootstrap (the real one needs root and a mirror)."""
+    bin_dir.mkdir()
+    script = bin_dir / "debootstrap"
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+BUILD = """
+from infra.local import rootfs
+print("ROOT", rootfs.ensure_rootfs(), flush=True)
+"""
+
+
+def test_failed_debootstrap_reports_its_error_and_leaves_no_partial_image(tmp_path):
+    env = fake_debootstrap(tmp_path / "bin", 'echo "I: Retrieving InRelease"\n'
+                                             'echo "E: Couldn\'t find these debs: no-such-package" >&2\n'
+                                             'exit 1\n')
+    cache = tmp_path / "cache"
+    result = subprocess.run([sys.executable, "-c", BUILD], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, **env, "FSDPCTL_CACHE": str(cache)}, timeout=120)
+    assert result.returncode != 0
+    assert "debootstrap of Debian bookworm failed (exit 1)" in result.stderr
+    assert "Couldn't find these debs: no-such-package" in result.stderr
+    assert sorted(p.name for p in cache.iterdir()) == ["rootfs.lock"]
+
+
+def test_interrupted_build_stops_debootstrap_and_removes_the_partial_image(tmp_path):
+    env = fake_debootstrap(tmp_path / "bin", 'mkdir -p "$4/usr"; echo "I: Retrieving InRelease"\n'
+                                             'echo "$$" > "$4/../debootstrap.pid"\nexec sleep 600\n')
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-c", BUILD], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **env, "FSDPCTL_CACHE": str(cache)})
+    pid_file = cache / "debootstrap.pid"
+    while not pid_file.exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    debootstrap_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert "build stopped; removing the partial image" in out
+    assert sorted(p.name for p in cache.iterdir()) == ["debootstrap.pid", "rootfs.lock"]
+    assert not Path(f"/proc/{debootstrap_pid}").exists() or "zombie" in Path(
+        f"/proc/{debootstrap_pid}/status").read_text().lower()
