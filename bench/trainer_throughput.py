@@ -4,8 +4,9 @@
                                        [--nproc 2] [--set KEY=VALUE ...] [--output result.json]
 
 Launches itself under torchrun with --nproc ranks (CPU + gloo, or one GPU per rank) and times, in
-the same process group, the trainer's FSDP2 training step and a DistributedDataParallel step on the
-same model, data and micro-batches (DDP skips gradient all-reduce with no_sync() on all but the last
+the same process group and taking turns step by step (so load from other work on a shared host hits
+both alike), the trainer's FSDP2 training step and a DistributedDataParallel step on the same model,
+data and micro-batches (DDP skips gradient all-reduce with no_sync() on all but the last
 micro-batch, as the trainer does with FSDP2). Then it times one process training the same global
 batch without any wrapper. It prints tokens/s for each, the FSDP2/DDP ratio (target >= 0.9x), and,
 where the device's peak is known (A100/H100/H200), MFU by the PaLM formula; the default config on a
@@ -84,21 +85,31 @@ def _plain_step(model, optimizer, scheduler, loader, cfg, device, sync_context) 
     optimizer.zero_grad(set_to_none=True)
 
 
-def _time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
-    """Seconds per step after `warmup` untimed steps (all ranks agree on the slowest)."""
-    for _ in range(warmup):
-        step()
+def _timed(step, device: torch.device) -> float:
+    """Wall seconds of one step on the slowest rank."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     dist.barrier()
     started = time.perf_counter()
-    for _ in range(steps):
-        step()
+    step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) / steps
+    return float(elapsed)
+
+
+def _time_interleaved(steps_by_name: dict, steps: int, warmup: int, device: torch.device) -> dict[str, float]:
+    """Mean seconds per step of each variant after `warmup` untimed steps. The variants take turns
+    step by step, so a change in machine load (a shared host) hits them alike."""
+    for _ in range(warmup):
+        for step in steps_by_name.values():
+            step()
+    totals = dict.fromkeys(steps_by_name, 0.0)
+    for _ in range(steps):
+        for name, step in steps_by_name.items():
+            totals[name] += _timed(step, device)
+    return {name: total / steps for name, total in totals.items()}
 
 
 def worker(args) -> None:
@@ -107,39 +118,42 @@ def worker(args) -> None:
     layout = derive_layout(cfg, world, local)
     runtime = init_distributed(cfg.distributed)
     tokens_per_step = cfg.training.global_batch_size * cfg.data.seq_len
-    results = {}
+    loaders = []
+
+    def loader(micro_batch: int, rank: int, world_size: int) -> BatchLoader:
+        loaders.append(_loader(cfg, runtime, micro_batch, rank, world_size))
+        return loaders[-1]
+
     if args.mode == "distributed":
-        model = build_parallel_model(cfg, runtime, layout)
-        optimizer = build_optimizer(model, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.optim, cfg.training.steps)
-        loader = _loader(cfg, runtime, layout.micro_batch_size, runtime.rank, world)
-        seconds = _time_steps(lambda: train_step(
-            model, optimizer, scheduler, loader, strategy=cfg.parallel.strategy,
-            accumulation=cfg.training.gradient_accumulation, grad_clip=cfg.optim.grad_clip, scaler=None,
-            device=runtime.device), args.steps, args.warmup_steps, runtime.device)
-        loader.close()
-        results["fsdp2"] = seconds
-        del model, optimizer
+        fsdp = build_parallel_model(cfg, runtime, layout)
+        fsdp_optimizer = build_optimizer(fsdp, cfg.optim)
+        fsdp_scheduler = build_scheduler(fsdp_optimizer, cfg.optim, cfg.training.steps)
+        fsdp_loader = loader(layout.micro_batch_size, runtime.rank, world)
         ddp = torch.nn.parallel.DistributedDataParallel(
-            _plain_model(cfg, runtime.device), device_ids=[runtime.device.index] if runtime.device.index
-            is not None else None)
-        optimizer = build_optimizer(ddp, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.optim, cfg.training.steps)
-        loader = _loader(cfg, runtime, layout.micro_batch_size, runtime.rank, world)
-        results["ddp"] = _time_steps(lambda: _plain_step(
-            ddp, optimizer, scheduler, loader, cfg, runtime.device, ddp.no_sync),
-            args.steps, args.warmup_steps, runtime.device)
-        loader.close()
+            _plain_model(cfg, runtime.device),
+            device_ids=None if runtime.device.index is None else [runtime.device.index])
+        ddp_optimizer = build_optimizer(ddp, cfg.optim)
+        ddp_scheduler = build_scheduler(ddp_optimizer, cfg.optim, cfg.training.steps)
+        ddp_loader = loader(layout.micro_batch_size, runtime.rank, world)
+        results = _time_interleaved({
+            "fsdp2": lambda: train_step(
+                fsdp, fsdp_optimizer, fsdp_scheduler, fsdp_loader, strategy=cfg.parallel.strategy,
+                accumulation=cfg.training.gradient_accumulation, grad_clip=cfg.optim.grad_clip, scaler=None,
+                device=runtime.device),
+            "ddp": lambda: _plain_step(ddp, ddp_optimizer, ddp_scheduler, ddp_loader, cfg, runtime.device,
+                                       ddp.no_sync),
+        }, args.steps, args.warmup_steps, runtime.device)
     else:
         model = _plain_model(cfg, runtime.device)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, cfg.training.steps)
         # A world of one: the layout puts the whole global batch in this process.
-        loader = _loader(cfg, runtime, layout.micro_batch_size, 0, 1)
-        results["single_process"] = _time_steps(lambda: _plain_step(
-            model, optimizer, scheduler, loader, cfg, runtime.device, contextlib.nullcontext),
+        single_loader = loader(layout.micro_batch_size, 0, 1)
+        results = _time_interleaved({"single_process": lambda: _plain_step(
+            model, optimizer, scheduler, single_loader, cfg, runtime.device, contextlib.nullcontext)},
             args.steps, args.warmup_steps, runtime.device)
-        loader.close()
+    for each in loaders:
+        each.close()
     if runtime.is_main:
         peak = device_peak_flops(runtime.device, cfg.metrics.peak_flops)
         out = {name: {"step_time_s": s, "tokens_per_s": tokens_per_step / s,
