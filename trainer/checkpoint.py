@@ -157,17 +157,25 @@ def read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if not manifest_path.is_file():
         return None, f"{path}: {MANIFEST} is missing (save never committed, or the copy is partial)"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as exc:
+        text = manifest_path.read_text()
+    except OSError as exc:
         return None, f"{path}: {MANIFEST} is unreadable: {exc}"
+    return parse_manifest(text, str(path))
+
+
+def parse_manifest(text: str, where: str) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        return None, f"{where}: {MANIFEST} is unreadable: {exc}"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(
             manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
-        return None, f"{path}: {MANIFEST} is not a {MANIFEST_FORMAT} manifest"
+        return None, f"{where}: {MANIFEST} is not a {MANIFEST_FORMAT} manifest"
     for name, entry in manifest["files"].items():
         # plain names only: a manifest must not make us read or download outside its directory
         if not _PLAIN_NAME.fullmatch(name) or name in (".", "..") or not isinstance(entry, dict) or not (
                 isinstance(entry.get("sha256"), str) and isinstance(entry.get("size"), int)):
-            return None, f"{path}: {MANIFEST}: malformed entry for {name!r}"
+            return None, f"{where}: {MANIFEST}: malformed entry for {name!r}"
     return manifest, None
 
 
@@ -328,22 +336,50 @@ class S3Location:
 
     def upload(self, path: Path, manifest: dict[str, Any]) -> None:
         """Upload the files, then the manifest last (its presence marks the copy committed), then read
-        every object back and check its SHA256."""
+        every object back and check it against the manifest."""
         for name in sorted(manifest["files"]):
             self.client.upload_file(str(path / name), self.bucket, self.key(path.name, name))
         self.client.upload_file(str(path / MANIFEST), self.bucket, self.key(path.name, MANIFEST))
-        problems = []
-        for name, entry in sorted(manifest["files"].items()):
-            body = self.client.get_object(Bucket=self.bucket, Key=self.key(path.name, name))["Body"]
+        problems = self.verify(path.name)
+        if problems:
+            # Without its manifest the broken copy is never taken for a checkpoint.
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(path.name, MANIFEST))
+            raise CheckpointError("the uploaded copy does not verify: " + "; ".join(problems))
+
+    def read_manifest(self, name: str) -> tuple[dict[str, Any] | None, str | None]:
+        where = f"{self.url}/{name}"
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(name, MANIFEST))["Body"].read()
+        except self.client.exceptions.NoSuchKey:
+            return None, f"{where}: {MANIFEST} is missing (upload never finished)"
+        return parse_manifest(body.decode(errors="replace"), where)
+
+    def verify(self, name: str) -> list[str]:
+        """The S3 copy's problems, like verify_checkpoint: listing, sizes, then SHA256 of every object."""
+        manifest, problem = self.read_manifest(name)
+        if problem:
+            return [problem]
+        where, base = f"{self.url}/{name}", self.key(name) + "/"
+        sizes = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base):
+            sizes.update({item["Key"][len(base):]: item["Size"] for item in page.get("Contents", [])})
+        problems = [f"{where}: {file}: not in the manifest (unexpected object)"
+                    for file in sorted(sizes) if file != MANIFEST and file not in manifest["files"]]
+        for file, entry in sorted(manifest["files"].items()):
+            if file not in sizes:
+                problems.append(f"{where}: {file}: missing")
+            elif sizes[file] != entry["size"]:
+                problems.append(f"{where}: {file}: size {sizes[file]} bytes, manifest says {entry['size']}")
+        if problems:
+            return problems
+        for file, entry in sorted(manifest["files"].items()):
+            body = self.client.get_object(Bucket=self.bucket, Key=self.key(name, file))["Body"]
             digest = hashlib.sha256()
             for chunk in iter(lambda body=body: body.read(_HASH_CHUNK), b""):
                 digest.update(chunk)
             if digest.hexdigest() != entry["sha256"]:
-                problems.append(f"{self.url}/{path.name}/{name}: SHA256 mismatch after upload")
-        if problems:
-            # Without its manifest the broken copy is never taken for a checkpoint.
-            self.client.delete_object(Bucket=self.bucket, Key=self.key(path.name, MANIFEST))
-            raise CheckpointError("; ".join(problems))
+                problems.append(f"{where}: {file}: SHA256 mismatch")
+        return problems
 
     def prune(self, keep_last: int, log: Callable[[str], None]) -> None:
         """Delete all but the newest ``keep_last`` committed checkpoints; call right after a verified
@@ -813,42 +849,56 @@ def _checkpoint_dirs(path: Path) -> Iterator[Path]:
         yield from (p for _, p in committed_checkpoints(path))
 
 
-def _cmd_verify(path: Path) -> int:
-    checkpoints = list(_checkpoint_dirs(path))
-    if not checkpoints:
-        print(f"no checkpoints in {path}", file=sys.stderr)
-        return 1
-    failed = 0
-    for checkpoint in checkpoints:
-        problems = verify_checkpoint(checkpoint)
-        if problems:
-            failed += 1
-            print(f"FAILED {checkpoint}")
-            for problem in problems:
-                print(f"  {problem}")
-        else:
-            print(f"verified {checkpoint}")
-    return 1 if failed else 0
+def _row(path: str, manifest: dict[str, Any] | None, problems: list[str], *,
+         committed: bool = True) -> dict[str, Any]:
+    return {"path": path, "step": manifest["step"] if manifest else None,
+            "world_size": manifest.get("world_size") if manifest else None,
+            "created_at": manifest.get("created_at") if manifest else None,
+            "bytes": sum(e["size"] for e in manifest["files"].values()) if manifest else None,
+            "verified": not problems, "problems": problems, "committed": committed}
 
 
-def _cmd_list(path: Path, as_json: bool) -> int:
-    rows = []
-    for checkpoint in _checkpoint_dirs(path):
-        manifest, _ = read_manifest(checkpoint)
-        problems = verify_checkpoint(checkpoint)
-        rows.append({"path": str(checkpoint), "step": manifest["step"] if manifest else None,
-                     "world_size": manifest.get("world_size") if manifest else None,
-                     "created_at": manifest.get("created_at") if manifest else None,
-                     "bytes": sum(e["size"] for e in manifest["files"].values()) if manifest else None,
-                     "verified": not problems, "problems": problems})
+def _local_rows(path: Path) -> list[dict[str, Any]]:
+    rows = [_row(str(c), read_manifest(c)[0], verify_checkpoint(c)) for c in _checkpoint_dirs(path)]
     for stale in interrupted_saves(path):
-        rows.append({"path": str(stale), "step": None, "world_size": None, "created_at": None, "bytes": None,
-                     "verified": False, "problems": [f"{stale}: interrupted save (never committed)"]})
+        rows.append(_row(str(stale), None, [f"{stale}: interrupted save (never committed)"], committed=False))
+    return rows
+
+
+def _s3_rows(url: str) -> list[dict[str, Any]]:
+    bucket, prefix = parse_s3_url(url)
+    parent, _, last = prefix.rpartition("/")
+    if _CHECKPOINT_NAME.match(last):
+        s3, names, partial = S3Location(f"s3://{bucket}/{parent}"), [last], []
+    else:
+        s3 = S3Location(url)
+        committed, partial = s3.checkpoints()
+        names = [name for _, name in committed]
+    rows = [_row(f"{s3.url}/{name}", s3.read_manifest(name)[0], s3.verify(name)) for name in names]
+    for name in partial:
+        rows.append(_row(f"{s3.url}/{name}", None, [f"{s3.url}/{name}: partial upload without {MANIFEST}"],
+                         committed=False))
+    return rows
+
+
+def _cmd_verify(rows: list[dict[str, Any]], location: str) -> int:
+    committed = [row for row in rows if row["committed"]]
+    if not committed:
+        print(f"no checkpoints in {location}", file=sys.stderr)
+        return 1
+    for row in committed:
+        print(f"{'verified' if row['verified'] else 'FAILED'} {row['path']}")
+        for problem in row["problems"]:
+            print(f"  {problem}")
+    return 0 if all(row["verified"] for row in committed) else 1
+
+
+def _cmd_list(rows: list[dict[str, Any]], location: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(rows, indent=1))
         return 0
     if not rows:
-        print(f"no checkpoints in {path}")
+        print(f"no checkpoints in {location}")
         return 0
     print(f"{'step':>8}  {'ranks':>5}  {'MB':>9}  {'created (UTC)':<25}  status  path")
     for row in rows:
@@ -862,21 +912,29 @@ def _cmd_list(path: Path, as_json: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.checkpoint",
-                                     description="Inspect and verify training checkpoints.")
+                                     description="Inspect and verify training checkpoints, on disk or in S3.")
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="check every file of a checkpoint (or of all under a dir) "
-                                           "against its manifest; exit 1 on any problem")
-    verify.add_argument("dir", type=Path)
-    listing = sub.add_parser("list", help="list the checkpoints under a dir with their status")
-    listing.add_argument("dir", type=Path)
+    verify = sub.add_parser("verify", help="check every file of a checkpoint (or of all under a dir or S3 "
+                                           "prefix) against its manifest; exit 1 on any problem")
+    verify.add_argument("location", help="checkpoint dir, dir of checkpoints, or s3://bucket/prefix[/step_N]")
+    listing = sub.add_parser("list", help="list the checkpoints under a dir or S3 prefix, verified")
+    listing.add_argument("location", help="dir of checkpoints or s3://bucket/prefix")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
-    if not args.dir.exists():
-        print(f"{args.dir}: no such directory", file=sys.stderr)
+    if args.location.startswith("s3://"):
+        try:
+            rows = _s3_rows(args.location)
+        except Exception as exc:  # credentials, bucket, network: say which, not a traceback
+            print(f"{args.location}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+    elif not Path(args.location).is_dir():
+        print(f"{args.location}: no such directory", file=sys.stderr)
         return 2
+    else:
+        rows = _local_rows(Path(args.location))
     if args.command == "verify":
-        return _cmd_verify(args.dir)
-    return _cmd_list(args.dir, args.json)
+        return _cmd_verify(rows, args.location)
+    return _cmd_list(rows, args.location, args.json)
 
 
 if __name__ == "__main__":

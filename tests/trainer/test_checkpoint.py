@@ -367,3 +367,27 @@ def test_unusable_checkpoint_dir_is_reported_at_start(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     with pytest.raises(CheckpointError, match=r"cannot prepare the checkpoint locations: .*a-file"):
         manager(tmp_path, Log(), dir=str(tmp_path / "a-file"))
+
+
+def test_cli_verify_and_list_an_s3_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with mock_aws():
+        s3 = boto3.client("s3")
+        s3.create_bucket(Bucket="ckpt-bucket")
+        train_and_save(tmp_path, Log(), 4, mirror_s3="s3://ckpt-bucket/run1")
+        assert ckpt.main(["verify", "s3://ckpt-bucket/run1"]) == 0
+        assert ckpt.main(["verify", "s3://ckpt-bucket/run1/step_00000002"]) == 0
+        capsys.readouterr()
+        key = "run1/step_00000004/.metadata"
+        metadata = bytearray(s3.get_object(Bucket="ckpt-bucket", Key=key)["Body"].read())
+        metadata[10] ^= 0x01
+        s3.put_object(Bucket="ckpt-bucket", Key=key, Body=bytes(metadata))
+        s3.put_object(Bucket="ckpt-bucket", Key="run1/step_00000006/__0_0.distcp", Body=b"partial")
+        assert ckpt.main(["verify", "s3://ckpt-bucket/run1"]) == 1
+        out = capsys.readouterr().out
+        assert "FAILED s3://ckpt-bucket/run1/step_00000004" in out and ".metadata: SHA256 mismatch" in out
+        assert "verified s3://ckpt-bucket/run1/step_00000002" in out
+        assert ckpt.main(["list", "s3://ckpt-bucket/run1", "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["verified"], r["committed"]) for r in rows] == [
+        (4, False, True), (2, True, True), (None, False, False)]
+    assert "partial upload" in rows[2]["problems"][0]
