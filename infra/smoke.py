@@ -116,6 +116,9 @@ class TorchrunJob:
             exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in node_env.items())
             argv = [f"{venv}/bin/torchrun", "--nnodes", str(len(ranks)), "--nproc-per-node", str(nproc),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{head}:{port}", "--rdzv-id", self.run_id,
+                    # Advertise the node's cluster address, not its host name: the workers'
+                    # MASTER_ADDR must resolve on every node even where no /etc/hosts lists them.
+                    "--local-addr", nodes[rank].address,
                     "--max-restarts", str(max_restarts), *module_args]
             command = (f"cd /tmp && echo $$ > {self.pidfile} && exec env {exports} "
                        + " ".join(shlex.quote(a) for a in argv))

@@ -106,6 +106,24 @@ def test_second_deploy_reuses_the_wheelhouse_and_the_venvs(demo, home):
     assert result.stdout.count("already installed") + result.stdout.count("trainer updated") == 2
 
 
+def test_scale_test_measures_strong_and_weak_scaling_over_1_and_2_nodes(demo, home):
+    result = fsdpctl(home, "scale-test", "--cluster", NAME, "--steps", "4", timeout=600)
+    data = json.loads((home / "clusters" / NAME / "scaling.json").read_text())
+    assert data["node_counts"] == [1, 2]
+    for mode in ("strong", "weak"):
+        runs = data[mode]["runs"]
+        assert [r["nodes"] for r in runs] == [1, 2] and all(r["tokens_per_s"] > 0 for r in runs)
+        assert data[mode]["efficiency"]["1"] == 1.0
+        linear = 2 * runs[0]["tokens_per_s"]
+        assert data[mode]["efficiency"]["2"] == pytest.approx(runs[1]["tokens_per_s"] / linear)
+    # Strong scaling keeps the global batch; weak scaling grows it with the ranks.
+    strong, weak = data["strong"]["runs"], data["weak"]["runs"]
+    assert strong[0]["training.global_batch_size"] == strong[1]["training.global_batch_size"]
+    assert weak[1]["training.global_batch_size"] == 2 * weak[0]["training.global_batch_size"]
+    assert (home / "clusters" / NAME / "scaling.png").read_bytes().startswith(b"\x89PNG")
+    assert "efficiency" in result.stdout
+
+
 def _smoke_inventory_only(home: Path):
     return fsdpctl(home, "smoke", "--cluster", NAME, "--skip", "bandwidth", "--skip", "fsdp",
                    "--skip", "recovery", timeout=120, check=False)
