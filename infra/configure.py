@@ -71,10 +71,12 @@ class ConfigureResult:
     hosts: dict[str, HostStats] = field(default_factory=dict)
     failures: list[TaskFailure] = field(default_factory=list)
     results: list[TaskResult] = field(default_factory=list)
+    output_tail: str = ""  # the end of Ansible's own output, for errors outside any task
 
     @property
     def ok(self) -> bool:
-        return self.status == "successful" and not self.failures
+        failed = any(s.failed or s.unreachable for s in self.hosts.values())
+        return self.status == "successful" and bool(self.hosts) and not failed
 
     @property
     def canceled(self) -> bool:
@@ -226,9 +228,12 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
                       ("dark", "unreachable")):
         for host, count in (stats.get(key) or {}).items():
             setattr(hosts.setdefault(host, HostStats()), attr, count)
+    # A failure a block rescued is not in the recap's failed count; report only hosts that ended failed.
+    ended_failed = {h for h, s in hosts.items() if s.failed or s.unreachable}
     result = ConfigureResult(status=runner.status, rc=runner.rc, run_dir=run_dir,
-                             hosts=dict(sorted(hosts.items())), failures=printer.failures,
-                             results=printer.results)
+                             hosts=dict(sorted(hosts.items())),
+                             failures=[f for f in printer.failures if f.host in ended_failed],
+                             results=printer.results, output_tail=_output_tail(run_dir))
     state.update(last_configure={
         "time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "ok": result.ok,
         "status": result.status, "run_dir": str(run_dir),
@@ -237,8 +242,17 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
     return result
 
 
+def _output_tail(run_dir: Path, lines: int = 25) -> str:
+    stdout = run_dir / "artifacts" / "ansible" / "stdout"
+    if not stdout.exists():
+        return ""
+    return "\n".join(stdout.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
 def print_summary(result: ConfigureResult, out: Callable[[str], None] = print) -> None:
-    width = max([len(h) for h in result.hosts] or [4])
+    if not result.hosts:
+        return
+    width = max(len(h) for h in result.hosts)
     out("\nRECAP")
     for host, s in result.hosts.items():
         out(f"{host:<{width}} ok={s.ok} changed={s.changed} failed={s.failed} skipped={s.skipped} "
@@ -259,10 +273,16 @@ def cmd_configure(args: Namespace) -> int:
         print(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` again "
               f"(log: {result.run_dir})")
         return 130
+    if not result.hosts and args.limit:
+        print(f"configure ran on no host: --limit {args.limit!r} names none of the cluster's nodes "
+              "(`fsdpctl status` lists them; excluded nodes are left out)")
+        return 1
     if not result.ok:
-        reason = "" if result.failures else f" (ansible-runner status {result.status}, rc {result.rc})"
-        print(f"configure failed{reason}; fix the cause and run `fsdpctl configure` again (it is "
-              f"idempotent). Full log: {result.run_dir / 'artifacts'}")
+        if not result.failures:  # Ansible stopped before any task (playbook or inventory error)
+            print(f"ansible-playbook exited {result.rc} ({result.status}); its last output:\n"
+                  f"{result.output_tail}")
+        print(f"configure failed; fix the cause and run `fsdpctl configure` again (it is idempotent). "
+              f"Full log: {result.run_dir / 'artifacts'}")
         return 1
     print(f"configure ok on {len(result.hosts)} host(s)")
     return 0

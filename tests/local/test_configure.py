@@ -169,3 +169,9 @@ def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
     assert f"{NODES[1]}: task [network : " in failed
     assert NODES[0] not in failed
     assert "configure failed" in result.stdout
+
+
+def test_a_limit_that_matches_no_node_is_an_error(first_run, cluster):
+    result = fsdpctl(cluster, "configure", "--limit", "no-such-node", check=False)
+    assert result.returncode == 1
+    assert "--limit 'no-such-node' names none of the cluster's nodes" in result.stdout
