@@ -312,7 +312,11 @@ def apply_retention(root: Path, *, keep_last: int, max_age_days: float, newest_v
 
 class S3Location:
     def __init__(self, url: str):
-        import boto3  # only runs that mirror to S3 need boto3 on the node
+        try:
+            import boto3  # only runs that mirror to S3 need boto3 on the node
+        except ImportError:
+            raise CheckpointError(f"mirror_s3={url} needs boto3 on every node; fix: pip install boto3 into "
+                                  "the trainer's environment, or drop mirror_s3") from None
 
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_s3_url(url)
