@@ -122,4 +122,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module, so the CommandError that handlers raise (infra.cli's) is
+    # the one main() catches, not a second copy defined in __main__.
+    from infra.cli import main as _main
+
+    sys.exit(_main())

@@ -339,6 +339,9 @@ def cmd_replace(args: argparse.Namespace) -> int:
     from infra.deploy import DeployError, deploy
     from infra.inventory import write_inventory
 
+    # The blacklist entry was about the old instance; the new one must be in the inventory to be
+    # configured and deployed.
+    state.update(excluded=[e for e in new.get("excluded", []) if e["rank"] != args.rank])
     write_inventory(state)
     configured = run_configure(state, limit=node["name"])
     if not configured.ok:
@@ -351,7 +354,5 @@ def cmd_replace(args: argparse.Namespace) -> int:
     except DeployError as e:
         raise CommandError(f"deploying the trainer to the new {node['name']} failed: {e}. Fix it, then run "
                            "`fsdpctl deploy`.") from None
-    excluded = [e for e in state.read().get("excluded", []) if e["rank"] != args.rank]
-    state.update(excluded=excluded)
     print(f"{node['name']} replaced, configured and deployed; rank {args.rank} is back in the cluster")
     return 0
