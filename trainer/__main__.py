@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_config, shipped_config_names
 from trainer.data import DataError
 from trainer.train import train
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, flags)
         train(cfg, print_sharding=args.print_sharding)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
