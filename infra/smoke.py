@@ -336,10 +336,11 @@ def check_bandwidth(ctx: SmokeContext, result: CheckResult) -> None:
         result.summary = summary
 
 
-def _trainer_args(ctx: SmokeContext, *, steps: int, checkpoint_dir: str, interval: int, metrics: str,
-                  resume: str) -> list[str]:
-    return ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps),
-            "--checkpoint-dir", checkpoint_dir, "--checkpoint-interval", str(interval),
+def _trainer_args(ctx: SmokeContext, *, steps: int, checkpoint_dir: str | None, interval: int,
+                  metrics: str, resume: str) -> list[str]:
+    checkpointing = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-interval", str(interval)] \
+        if checkpoint_dir else []
+    return ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), *checkpointing,
             "--metrics-file", metrics, "--resume", resume, "--seed", "0"]
 
 
@@ -356,7 +357,9 @@ def _list_checkpoints(ctx: SmokeContext, checkpoint_dir: str) -> list[dict[str, 
 def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
     steps = ctx.steps
     interval = max(1, steps // 2)
-    ckpt, metrics = f"{ctx.work_dir}/fsdp-checkpoints", f"{ctx.work_dir}/fsdp-metrics.jsonl"
+    # Every rank writes into one checkpoint directory, so checkpoints need the shared file system.
+    ckpt = f"{ctx.work_dir}/fsdp-checkpoints" if ctx.shared else None
+    metrics = f"{ctx.work_dir}/fsdp-metrics.jsonl"
     job = ctx.job("fsdp", _trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
                                         metrics=metrics, resume="none"))
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
@@ -397,11 +400,14 @@ def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
     elif ctx.on_gpu and share >= GRAD_SYNC_SHARE_BOUND:
         problems.append(f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})")
 
-    checkpoints = _list_checkpoints(ctx, ckpt)
+    checkpoints = _list_checkpoints(ctx, ckpt) if ckpt else []
     facts["checkpoints"] = [{k: c.get(k) for k in ("step", "verified", "bytes", "problems")}
                             for c in checkpoints]
     verified = [c for c in checkpoints if c.get("verified")]
-    if not checkpoints:
+    if ckpt is None:
+        checkpoint_note = ("checkpoint and resume skipped: the cluster has no shared file system "
+                           "(enable storage.fsx)")
+    elif not checkpoints:
         problems.append(f"no checkpoint written under {ckpt}")
     elif len(verified) != len(checkpoints):
         bad = [p for c in checkpoints for p in c.get("problems", [])]
@@ -423,6 +429,8 @@ def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
         elif not resumed or resumed[0]["step"] != latest + 1 or resumed[-1]["step"] != resume_steps:
             problems.append(f"resume did not continue from the checkpoint at step {latest}: "
                             f"{facts['resume']}")
+        checkpoint_note = (f"{len(verified)} checkpoint(s) verified; resumed at step "
+                           f"{facts['resume']['first_step']}")
 
     result.details = facts
     if problems:
@@ -431,8 +439,7 @@ def check_fsdp(ctx: SmokeContext, result: CheckResult) -> None:
         sync_note = "" if ctx.on_gpu else " (reported, not gated, on gloo)"
         sync = "not measured" if share is None else f"{share:.0%}"
         result.summary = (f"loss {first:.3f} -> {last:.3f}; memory max/min {ratio:.2f}; grad sync "
-                          f"{sync}{sync_note}; {len(verified)} checkpoint(s) verified; resumed at "
-                          f"step {facts['resume']['first_step']}")
+                          f"{sync}{sync_note}; {checkpoint_note}")
 
 
 def per_rank_figures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -478,7 +485,8 @@ def check_recovery(ctx: SmokeContext, result: CheckResult) -> None:
         result.fail(f"the run stopped at step {facts['last_step']} of {steps}")
     else:
         result.summary = (f"killed node {victim}'s workers after step {facts['killed_after_step']}; training "
-                          f"continued from step {facts['resumed_at_step']} after "
+                          f"continued at step {facts['resumed_at_step']} (from the checkpoint of step "
+                          f"{facts['resumed_at_step'] - 1}) after "
                           f"{facts['recovery_time_s']:.1f} s; completed {steps} steps")
 
 
