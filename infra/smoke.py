@@ -26,6 +26,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -257,8 +258,6 @@ def check_inventory(ctx: SmokeContext, result: CheckResult) -> None:
     instance = ctx.spec.instance
     local = ctx.state.read().get("target") == "local"
     problems, per_node = [], {}
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=min(32, len(ctx.ranks))) as pool:
         futures = {r: pool.submit(remote.run, ctx.state, r, _INVENTORY_PROBE.format(address=nodes[r].address),
                                   timeout=NODE_TIMEOUT_S, check=False) for r in ctx.ranks}
