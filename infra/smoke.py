@@ -5,9 +5,11 @@ Checks, in order (a check whose prerequisite failed is reported as skipped, with
 1. `inventory`  every node answers within a timeout; the MTU of the interface carrying the node's
                 address equals `network.mtu`; GPU and EFA device counts match the instance type (the
                 local target has neither: skipped, and said so).
-2. `bandwidth`  all-reduce bus bandwidth across all nodes (`trainer.collectives` under torchrun),
-                gated at the catalog's `allreduce_busbw_gate_gbps` on GPU nodes, and at a low floor
-                on gloo/CPU (`GLOO_BUSBW_FLOOR_GBPS`).
+2. `bandwidth`  all-reduce bus bandwidth across all nodes: nccl-tests' all_reduce_perf through mpirun
+                on GPU nodes (the torch.distributed figure kept as detail; `trainer.collectives`
+                under torchrun where nccl-tests is missing), gated at the catalog's
+                `allreduce_busbw_gate_gbps`; `trainer.collectives` on gloo/CPU, gated at a low floor
+                (`GLOO_BUSBW_FLOOR_GBPS`).
 3. `fsdp`       a short multi-node FSDP run: loss decreases, memory balanced across ranks, gradient
                 sync share (gated on GPUs), a checkpoint written and verified, then resumed.
 4. `recovery`   an elastic run with `--max-restarts`; one node's workers are killed mid-run; the time
@@ -32,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from infra import remote
+from infra import nccl_tests, remote
 from infra.deploy import DeployError, deployed_venv
 from infra.report import check_table, write_report
 from infra.spec import ClusterSpec
@@ -303,36 +305,103 @@ def check_inventory(ctx: SmokeContext, result: CheckResult) -> None:
                              else f"; {instance.gpus} GPUs, {instance.efa_interfaces} EFA each"))
 
 
-def check_bandwidth(ctx: SmokeContext, result: CheckResult) -> None:
+NCCL_TESTS_MISSING = "nccl-tests not installed: rerun `fsdpctl configure --tags nccl`"
+
+
+def bandwidth_verdict(peak_gbps: float, *, world_size: int, nodes: int, backend: str,
+                      gate_gbps: float, basis: str) -> tuple[bool, str]:
+    """(passed, summary) for a peak all-reduce bus bandwidth against its gate (a single rank has no bus
+    bandwidth: never failed)."""
+    if nodes == 1:
+        # all-reduce inside one node runs over NVLink or shared memory, not the fabric
+        basis += " (one node: inter-node bandwidth not measured)"
+    summary = (f"peak bus bandwidth {peak_gbps:.3g} GB/s over {world_size} ranks ({backend}); "
+               f"{basis} {gate_gbps:g} GB/s")
+    if peak_gbps >= gate_gbps or world_size <= 1:
+        return True, summary
+    hint = (" - fewer EFAs than the instance has, or NCCL fell back to TCP sockets "
+            "(NCCL_DEBUG=INFO shows 'Using network Socket')") if backend != "gloo" else ""
+    return False, f"{summary}: below the gate{hint}"
+
+
+def _torch_bandwidth(ctx: SmokeContext) -> tuple[dict[str, Any] | None, str | None]:
+    """trainer.collectives under torchrun on every node: (result, None) or (None, why it failed)."""
     output = f"{ctx.work_dir}/collectives.json"
     job = ctx.job("bandwidth", ["-m", "trainer.collectives", "--output", output])
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
-        result.fail(f"benchmark failed: {failure}")
-        return
+        return None, f"benchmark failed: {failure}"
     data = read_remote_json(ctx.state, ctx.ranks[0], output)
     if not data:
-        result.fail(f"benchmark wrote no result to {output} on node {ctx.ranks[0]}")
+        return None, f"benchmark wrote no result to {output} on node {ctx.ranks[0]}"
+    return data, None
+
+
+def _nccl_tests_bandwidth(ctx: SmokeContext) -> tuple[dict[str, Any] | None, str | None]:
+    """all_reduce_perf through mpirun from the first node, one rank per GPU on every node."""
+    addresses = {n.rank: n.address for n in remote.cluster_nodes(ctx.state)}
+    gpus = ctx.spec.instance.gpus
+    command = nccl_tests.mpirun_command([addresses[r] for r in ctx.ranks], gpus)
+    log = ctx.run_dir / "nccl-tests.log"
+    proc = remote.run(ctx.state, ctx.ranks[0], command, timeout=RUN_TIMEOUT_S, check=False)
+    log.write_text(f"$ {command}\n{proc.stdout}{proc.stderr}")
+    if proc.returncode != 0:
+        what = "timed out" if proc.returncode == remote.TIMEOUT_RC else f"exited {proc.returncode}"
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-20:])
+        return None, f"nccl-tests (mpirun on node {ctx.ranks[0]}) {what} (log {log}):\n{tail}"
+    try:
+        rows = nccl_tests.parse_all_reduce_perf(proc.stdout)
+    except nccl_tests.NcclTestsError as e:
+        return None, f"{e} (log {log})"
+    data = nccl_tests.as_bandwidth_result(rows, len(ctx.ranks) * gpus)
+    data["avg_busbw_gbps"] = nccl_tests.average_bus_bandwidth(proc.stdout)
+    return data, None
+
+
+def check_bandwidth(ctx: SmokeContext, result: CheckResult) -> None:
+    note, torch_detail = "", None
+    if ctx.on_gpu:
+        probe = remote.run(ctx.state, ctx.ranks[0], f"test -x {nccl_tests.ALL_REDUCE_PERF}",
+                           timeout=NODE_TIMEOUT_S, check=False)
+        if probe.returncode == 0:
+            data, failure = _nccl_tests_bandwidth(ctx)
+            if failure:
+                result.fail(failure)
+                return
+            # The PyTorch path training uses, as detail: not gated, nccl-tests is the fabric's figure.
+            torch_data, torch_failure = _torch_bandwidth(ctx)
+            if torch_failure:
+                torch_detail = {"error": torch_failure}
+                note = "; the torch.distributed benchmark failed (details.torch_distributed in report.json)"
+            else:
+                torch_detail = {"peak_busbw_gbps": torch_data["peak_busbw_gbps"],
+                                "world_size": torch_data["world_size"]}
+        else:
+            note = f"; {NCCL_TESTS_MISSING}"
+            data, failure = _torch_bandwidth(ctx)
+    else:
+        data, failure = _torch_bandwidth(ctx)
+    if failure:
+        result.fail(failure + note)
         return
     ctx.bandwidth = data
-    peak = data["peak_busbw_gbps"]
-    if data["backend"] == "nccl":
-        gate, basis = ctx.spec.instance.allreduce_busbw_gate_gbps, f"{ctx.spec.instance_type} gate"
-    else:
+    if data["backend"] == "gloo":
         gate, basis = GLOO_BUSBW_FLOOR_GBPS, "gloo/CPU floor"
+    else:
+        gate, basis = ctx.spec.instance.allreduce_busbw_gate_gbps, f"{ctx.spec.instance_type} gate"
+    peak = data["peak_busbw_gbps"]
     result.details = {"backend": data["backend"], "world_size": data["world_size"], "gate_gbps": gate,
                       "gate_basis": basis, "peak_busbw_gbps": peak, "results": data["results"]}
-    if len(ctx.ranks) == 1:
-        # busbw is 0 for a single rank; a single node's all-reduce runs over NVLink/shared memory.
-        basis += " (one node: inter-node bandwidth not measured)"
-    summary = (f"peak bus bandwidth {peak:.3g} GB/s over {data['world_size']} ranks ({data['backend']}); "
-               f"{basis} {gate:g} GB/s")
-    if peak < gate and data["world_size"] > 1:
-        hint = (" - fewer EFAs than the instance has, or NCCL fell back to TCP sockets "
-                "(NCCL_DEBUG=INFO shows 'Using network Socket')") if data["backend"] == "nccl" else ""
-        result.fail(f"{summary}: below the gate{hint}")
+    if torch_detail:
+        result.details["torch_distributed"] = torch_detail
+    if note:
+        result.details["note"] = note.removeprefix("; ")
+    passed, summary = bandwidth_verdict(peak, world_size=data["world_size"], nodes=len(ctx.ranks),
+                                        backend=data["backend"], gate_gbps=gate, basis=basis)
+    if passed:
+        result.summary = summary + note
     else:
-        result.summary = summary
+        result.fail(summary + note)
 
 
 def _trainer_args(ctx: SmokeContext, *, steps: int, checkpoint_dir: str | None, interval: int,
