@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
 ROLES_DIR = ANSIBLE_DIR / "roles"
 BIN = Path(sys.executable).parent
-ROLES = ("common", "network", "limits", "nvidia", "cuda", "efa", "nccl", "gpudirect", "storage")
+# The roles site.yml applies, in its order (a role added there is rendered here too).
+ROLES = tuple(entry["role"] for entry in yaml.safe_load((ANSIBLE_DIR / "site.yml").read_text())[0]["roles"])
 NODE_ADDRESSES = ("10.42.1.10", "10.42.1.11")
 _loader = DataLoader()
 

@@ -114,8 +114,11 @@ def test_interrupted_build_stops_debootstrap_and_removes_the_partial_image(tmp_p
     env = fake_debootstrap(tmp_path / "bin", 'mkdir -p "$4/usr"; echo "I: Retrieving InRelease"\n'
                                              'echo "$$" > "$4/../debootstrap.pid"\nexec sleep 600\n')
     cache = tmp_path / "cache"
+    # A shell that runs its jobs in the background hands them SIGINT ignored, and Python then never
+    # turns SIGINT into KeyboardInterrupt: give the build the default disposition, as in a terminal.
     proc = subprocess.Popen([sys.executable, "-c", BUILD], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, **env, "FSDPCTL_CACHE": str(cache)})
+                            stderr=subprocess.PIPE, env={**os.environ, **env, "FSDPCTL_CACHE": str(cache)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pid_file = cache / "debootstrap.pid"
     while not pid_file.exists():
         assert proc.poll() is None, proc.communicate()
