@@ -244,19 +244,15 @@ def active_ranks(state: ClusterState, ranks: list[int] | None = None) -> list[in
 def probe_nodes(state: ClusterState, ranks: list[int]) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     failures = []
-    with ThreadPoolExecutor(max_workers=min(16, len(ranks))) as pool:
-        futures = {pool.submit(remote.run, state, r, _PROBE, timeout=PROBE_TIMEOUT_S, check=False): r
-                   for r in ranks}
-        for fut in as_completed(futures):
-            rank = futures[fut]
-            try:
-                proc = fut.result()
-                if proc.returncode != 0:
-                    output = (proc.stderr or proc.stdout).strip()[-300:]
-                    raise DeployError(f"exit {proc.returncode}: {output}")
-                out[rank] = json.loads(proc.stdout.strip().splitlines()[-1])
-            except (subprocess.TimeoutExpired, DeployError, ValueError, IndexError) as e:
-                failures.append(f"node {rank}: {e}")
+    answers = remote.run_all(state, _PROBE, ranks=ranks, timeout=PROBE_TIMEOUT_S, check=False)
+    for rank, proc in answers.items():
+        try:
+            if proc.returncode != 0:
+                output = (proc.stderr or proc.stdout).strip()[-300:]
+                raise DeployError(f"exit {proc.returncode}: {output}")
+            out[rank] = json.loads(proc.stdout.strip().splitlines()[-1])
+        except (DeployError, ValueError, IndexError) as e:
+            failures.append(f"node {rank}: {e}")
     if failures:
         raise DeployError("could not probe the nodes' Python:\n  " + "\n  ".join(sorted(failures)))
     return out
@@ -369,25 +365,20 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> dict[str, 
 
     _log(f"installing into {venv} on {len(ranks)} node(s)")
     script = _install_script(bundle, wheelhouse_dir, trainer_dir, venv, torch_version)
-    failures, installed = [], {}
-    with ThreadPoolExecutor(max_workers=min(16, len(ranks))) as pool:
-        t0 = time.monotonic()
-        futures = {pool.submit(remote.run, state, r, script, timeout=INSTALL_TIMEOUT_S, check=False): r
-                   for r in ranks}
-        for fut in as_completed(futures):
-            rank = futures[fut]
-            try:
-                proc = fut.result()
-            except subprocess.TimeoutExpired:
-                failures.append(f"node {rank}: install timed out after {INSTALL_TIMEOUT_S} s")
-                continue
-            lines = (proc.stdout or "").strip().splitlines()
-            if proc.returncode != 0:
-                failures.append(f"node {rank}: exit {proc.returncode}: "
-                                + (proc.stderr or proc.stdout or "").strip()[-500:])
-            else:
-                installed[rank] = lines[-1] if lines else ""
-                _log(f"node {rank}: {installed[rank]} ({time.monotonic() - t0:.0f} s)")
+    started_install = time.monotonic()
+
+    def report(rank: int, proc: subprocess.CompletedProcess) -> None:
+        if proc.returncode == 0:
+            lines = proc.stdout.strip().splitlines()
+            _log(f"node {rank}: {lines[-1] if lines else 'installed'} "
+                 f"({time.monotonic() - started_install:.0f} s)")
+
+    results = remote.run_all(state, script, ranks=ranks, timeout=INSTALL_TIMEOUT_S, check=False,
+                             on_result=report)
+    failures = [f"node {rank}: install timed out after {INSTALL_TIMEOUT_S} s"
+                if proc.returncode == remote.TIMEOUT_RC
+                else f"node {rank}: exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}"
+                for rank, proc in sorted(results.items()) if proc.returncode]
     if failures:
         raise DeployError("installing the trainer failed:\n  " + "\n  ".join(sorted(failures)))
 

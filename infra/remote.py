@@ -12,7 +12,8 @@ import subprocess
 import sys
 import tarfile
 from argparse import Namespace
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,18 +117,25 @@ def run(state: ClusterState, rank: int, command: str, *, timeout: float | None =
     return _run_on(state, node_by_rank(state, rank), command, timeout, check)
 
 
-def run_all(state: ClusterState, command: str, *, timeout: float | None = None,
-            check: bool = True) -> dict[int, subprocess.CompletedProcess]:
-    """Run a command on every (non-excluded) node in parallel; results by rank.
+def run_all(state: ClusterState, command: str, *, ranks: list[int] | None = None,
+            timeout: float | None = None, check: bool = True,
+            on_result: Callable[[int, subprocess.CompletedProcess], None] | None = None,
+            ) -> dict[int, subprocess.CompletedProcess]:
+    """Run a command on every (non-excluded) node, or on the given ranks, in parallel; results by rank.
 
-    With check=True every node still runs to completion; then the first failure (lowest rank) is raised.
+    `on_result(rank, result)` is called as each node finishes (progress for long commands). With
+    check=True every node still runs to completion; then the first failure (lowest rank) is raised.
     """
-    nodes = cluster_nodes(state)
+    nodes = cluster_nodes(state) if ranks is None else [node_by_rank(state, r) for r in ranks]
     if not nodes:
         raise CommandError(f"cluster {state.name} has no nodes to run on (all excluded, or not up)")
+    results: dict[int, subprocess.CompletedProcess] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
-        futures = {n.rank: pool.submit(_run_on, state, n, command, timeout, False) for n in nodes}
-        results = {rank: f.result() for rank, f in futures.items()}
+        futures = {pool.submit(_run_on, state, n, command, timeout, False): n.rank for n in nodes}
+        for future in as_completed(futures):
+            results[futures[future]] = future.result()
+            if on_result is not None:
+                on_result(futures[future], results[futures[future]])
     if check:
         for node in nodes:
             if results[node.rank].returncode:
