@@ -29,17 +29,6 @@ class InstanceType:
     # Healthy all-reduce bus bandwidth between two or more such nodes (nccl-tests busbw, >= 1 GB
     # messages), minus a margin: below it the cluster is on too few EFAs or on TCP sockets.
     allreduce_busbw_gate_gbps: float
-    min_cuda: str = "11.0"
-    min_nccl: str = "2.12"
-    min_aws_ofi_nccl: str = "1.5.0"
-
-    @property
-    def peak_bf16_tflops(self) -> float:
-        return self.peak_bf16_tflops_per_gpu * self.gpus
-
-    @property
-    def nvme_total_gb(self) -> int:
-        return self.nvme_devices * self.nvme_device_gb
 
 
 CATALOG: dict[str, InstanceType] = {
@@ -59,13 +48,11 @@ CATALOG: dict[str, InstanceType] = {
             name="p5.48xlarge", gpus=8, gpu_model="H100-SXM5-80GB", gpu_memory_gib=80, vcpus=192,
             memory_gib=2048, network_cards=32, efa_interfaces=32, nvme_devices=8, nvme_device_gb=3800,
             peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0,
-            min_cuda="12.0", min_nccl="2.18.5", min_aws_ofi_nccl="1.7.3",
         ),
         InstanceType(
             name="p5en.48xlarge", gpus=8, gpu_model="H200-SXM5-141GB", gpu_memory_gib=141, vcpus=192,
             memory_gib=2048, network_cards=16, efa_interfaces=16, nvme_devices=8, nvme_device_gb=3840,
             peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0,
-            min_cuda="12.4", min_nccl="2.21", min_aws_ofi_nccl="1.11.0",
         ),
     )
 }

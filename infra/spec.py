@@ -365,9 +365,6 @@ class ClusterSpec(_Model):
     def node_name(self, rank: int) -> str:
         return f"{self.name}-node{rank}"
 
-    def node_names(self, count: int | None = None) -> list[str]:
-        return [self.node_name(r) for r in range(self.node_count if count is None else count)]
-
     def base_tags(self) -> dict[str, str]:
         """Tags on every taggable resource (the teardown sweep finds leftovers by the first)."""
         return {CLUSTER_TAG: self.name, **self.tags}

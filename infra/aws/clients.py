@@ -24,7 +24,6 @@ class AwsClients:
     def __init__(self, session: boto3.Session):
         self.session = session
         self.region = session.region_name
-        self.account: str | None = None
 
     @classmethod
     def for_spec(cls, spec: ClusterSpec) -> AwsClients:
@@ -35,14 +34,13 @@ class AwsClients:
             raise CommandError(f"no AWS credentials found for region {spec.region}; {CREDENTIALS_FIX}")
         clients = cls(session)
         try:
-            identity = clients.sts.get_caller_identity()
+            clients.sts.get_caller_identity()
         except botocore.exceptions.ClientError as e:
             err = e.response.get("Error", {})
             raise CommandError(f"AWS rejected the credentials ({err.get('Code')}: {err.get('Message')}); "
                                f"{CREDENTIALS_FIX}") from None
         except botocore.exceptions.BotoCoreError as e:
             raise CommandError(f"could not verify AWS credentials: {e}; {CREDENTIALS_FIX}") from None
-        clients.account = identity["Account"]
         return clients
 
     def _client(self, service: str):
