@@ -1,11 +1,11 @@
 """The Pulumi program: one cluster spec in, the cluster's AWS resources and stack outputs out.
 
 `build_cluster(spec, expires_at)` assembles the components (infra/components/) in dependency order
-and returns the stack outputs (the contract `infra.aws.stack` reads after `pulumi up`). `run_stack()`
+and returns the stack outputs (the contract the operator tool reads after `pulumi up`). `run_stack()`
 is what `pulumi up` runs (infra/__main__.py): it reads the stack config `fsdp-cluster:cluster` (the
 spec as an object) and `fsdp-cluster:expiresAt` (ISO 8601 UTC, pinned by `fsdpctl up` at first
 creation so the expiry does not move on every update). The same `build_cluster` runs under Pulumi's
-mocks for `fsdpctl plan` (infra/plan.py) and the tests.
+mocks for `fsdpctl plan` (infra/offline.py) and the tests.
 """
 
 from __future__ import annotations

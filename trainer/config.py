@@ -17,22 +17,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from infra.spec import Problem, SpecError
 from trainer.checkpoint import CheckpointConfig
+from trainer.errors import ConfigError, Problem, yaml_problem
 
 SHIPPED_CONFIG_DIR = Path(__file__).parent / "configs"
 DOCS = "docs/trainer.md"
 
 
-class ConfigError(SpecError):
-    """Every problem of a trainer config, each with key, value and fix."""
-
-    def __init__(self, problems: list[Problem], source: str = "trainer config"):
-        super().__init__(problems, source)
-
-
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Each field's docstring is its description.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class Strategy(StrEnum):
@@ -51,16 +45,25 @@ class ModelConfig(_Section):
     """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU)."""
 
     vocab_size: int = Field(default=32000, ge=2)
+    """Tokens in the vocabulary (embedding and output projection rows)."""
     dim: int = Field(default=2048, ge=8)
+    """Hidden size; divisible by n_heads with an even head size."""
     n_layers: int = Field(default=16, ge=1)
+    """Transformer blocks."""
     n_heads: int = Field(default=16, ge=1)
-    # Grouped-query attention: fewer key/value heads than query heads; empty means n_heads.
+    """Query heads per attention layer."""
     n_kv_heads: int | None = Field(default=None, ge=1)
+    """Grouped-query attention: fewer key/value heads than query heads; empty means n_heads."""
     ffn_dim: int = Field(default=5632, ge=1)
+    """Hidden size of the SwiGLU feed-forward layer."""
     max_seq_len: int = Field(default=2048, ge=2)
+    """Longest sequence the rotary tables are built for."""
     rope_theta: float = Field(default=10000.0, gt=0)
+    """Base of the rotary embedding frequencies."""
     norm_eps: float = Field(default=1e-5, gt=0)
+    """RMSNorm epsilon."""
     init_std: float = Field(default=0.02, gt=0)
+    """Standard deviation of the normal weight initialisation."""
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
@@ -111,16 +114,21 @@ class ModelConfig(_Section):
 
 class ParallelConfig(_Section):
     strategy: Strategy = Strategy.FULL_SHARD
-    # Ranks in one shard group (HYBRID_SHARD): empty means the local ranks of a node (GPUs per node).
+    """FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD (the FSDP1 names, mapped onto FSDP2)."""
     sharding_degree: int | None = Field(default=None, ge=1)
-    # Compute dtype of the all-gathered parameters; the sharded master copy stays fp32.
+    """Ranks in one shard group (HYBRID_SHARD): empty means the local ranks of a node (GPUs per
+    node)."""
     param_dtype: DType = "fp32"
-    # Dtype of the gradient reduce-scatter/all-reduce. bf16 halves the gradient traffic of fp32:
-    # the "gradient compression" option (docs/trainer.md).
+    """Compute dtype of the all-gathered parameters; the sharded master copy stays fp32."""
     reduce_dtype: DType = "fp32"
+    """Dtype of the gradient reduce-scatter/all-reduce. bf16 halves the gradient traffic of fp32:
+    the "gradient compression" option (docs/trainer.md)."""
     cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in host memory."""
     activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them."""
     compile: bool = False
+    """torch.compile each transformer block."""
 
     @model_validator(mode="after")
     def _precision(self) -> ParallelConfig:
@@ -133,60 +141,81 @@ class ParallelConfig(_Section):
 
 class OptimConfig(_Section):
     lr: float = Field(default=1e-5, gt=0)
-    # Fraction of lr the cosine schedule decays to at the last step.
+    """Peak learning rate (AdamW), reached after the warm-up."""
     min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Fraction of lr the cosine schedule decays to at the last step."""
     warmup_steps: int = Field(default=500, ge=0)
+    """Steps of linear warm-up from 0 to lr."""
     weight_decay: float = Field(default=0.1, ge=0)
+    """AdamW weight decay (not applied to norm gains)."""
     beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW first-moment decay."""
     beta2: float = Field(default=0.95, ge=0, lt=1)
+    """AdamW second-moment decay."""
     eps: float = Field(default=1e-8, gt=0)
-    # Clip the global gradient norm to this; empty disables clipping (the norm is still logged).
+    """AdamW epsilon."""
     grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this; empty disables clipping (the norm is still logged)."""
 
 
 class TrainingConfig(_Section):
     steps: int = Field(default=10000, ge=1)
-    # Sequences per optimizer step over all ranks and micro-batches.
+    """Optimizer steps to reach."""
     global_batch_size: int = Field(default=4096, ge=1)
+    """Sequences per optimizer step over all ranks and micro-batches."""
     gradient_accumulation: int = Field(default=16, ge=1)
-    # Sequences per rank per micro-batch; empty means global_batch_size / (accumulation * ranks).
+    """Micro-batches per optimizer step on each rank."""
     micro_batch_size: int | None = Field(default=None, ge=1)
+    """Sequences per rank per micro-batch; empty means global_batch_size / (accumulation * ranks)."""
     seed: int = Field(default=0, ge=0)
+    """Seed of the initial weights and the data order."""
 
 
 class DataConfig(_Section):
-    # synthetic: a deterministic, learnable token stream; tokens: memory-mapped token files made by
-    # `python -m trainer.data build`.
     source: Literal["synthetic", "tokens"] = "synthetic"
+    """synthetic: a deterministic, learnable token stream; tokens: memory-mapped token files made by
+    `python -m trainer.data build`."""
     path: str | None = None
+    """A token file or a directory of `*.bin` token files (data.source tokens)."""
     seq_len: int = Field(default=2048, ge=2)
-    # Batches staged on the device ahead of the step.
+    """Tokens per sequence."""
     prefetch: int = Field(default=2, ge=1)
+    """Batches staged on the device ahead of the step."""
 
 
 class MetricsConfig(_Section):
     file: str | None = None
-    # Progress lines on stderr every N steps (rank 0).
+    """JSONL file: one object per optimizer step and a summary (rank 0 writes it)."""
     log_interval: int = Field(default=1, ge=1)
-    # Dense bf16 peak FLOP/s of one device for MFU; empty means look it up by device name.
+    """Progress lines on stderr every N steps (rank 0)."""
     peak_flops: float | None = Field(default=None, gt=0)
+    """Dense bf16 peak FLOP/s of one device for MFU; empty means look it up by device name."""
 
 
 class DistributedConfig(_Section):
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    # Collective time-out: a hung rank fails the job after this instead of hanging it.
+    """auto (CUDA when available, else CPU), cuda or cpu."""
     timeout_s: int = Field(default=900, ge=30)
+    """Collective time-out: a hung rank fails the job after this instead of hanging it."""
 
 
 class TrainConfig(_Section):
     model: ModelConfig = ModelConfig()
+    """The model's shape."""
     parallel: ParallelConfig = ParallelConfig()
+    """How the model is sharded, and its precision."""
     optim: OptimConfig = OptimConfig()
+    """Optimizer and learning-rate schedule."""
     training: TrainingConfig = TrainingConfig()
+    """Steps, batch sizes and the seed."""
     data: DataConfig = DataConfig()
+    """Where the tokens come from."""
     metrics: MetricsConfig = MetricsConfig()
+    """What is logged, and where."""
     distributed: DistributedConfig = DistributedConfig()
+    """Device and collective settings."""
     checkpoint: CheckpointConfig = CheckpointConfig()
+    """Sharded, verified checkpoints (docs/checkpoints.md)."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> TrainConfig:
@@ -321,7 +350,7 @@ def _problems_from_validation(err: ValidationError) -> list[Problem]:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
         ctx_err = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, SpecError):
+        if isinstance(ctx_err, ConfigError):
             problems.extend(ctx_err.problems)
         elif e["type"] == "extra_forbidden":
             close = difflib.get_close_matches(key, known, n=1)
@@ -342,7 +371,7 @@ def parse_config(data: dict[str, Any], source: str = "trainer config") -> TrainC
                           source)
     try:
         return TrainConfig.model_validate(data)
-    except SpecError as e:
+    except ConfigError as e:
         raise ConfigError(e.problems, source) from None
     except ValidationError as e:
         raise ConfigError(_problems_from_validation(e), source) from None
@@ -356,8 +385,7 @@ def load_config(name_or_path: str, overrides: list[str] = (), values: dict[str, 
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError([Problem("(file)", str(path), f"is not valid YAML: {e}", "fix the YAML syntax")],
-                          str(path)) from None
+        raise ConfigError([yaml_problem(str(path), e)], str(path)) from None
     for assignment in overrides:
         _assign(data, *_parse_assignment(assignment))
     for key, value in (values or {}).items():

@@ -16,9 +16,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar, trust_as_template
 
+from fsdpctl.inventory import group_vars
+from fsdpctl.state import ClusterState
 from infra import catalog
-from infra.inventory import group_vars
-from infra.state import ClusterState
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_DIR = REPO / "ansible"
@@ -85,7 +85,9 @@ def cluster_group_vars(tmp_path: Path, instance_type: str, **spec_overrides: Any
     state.root.mkdir(parents=True)
     state.spec_path.write_text(yaml.safe_dump(spec))
     state.update(
+        name="rt",
         target="aws",
+        created_at=0.0,
         shared_dir="/fsx",
         stack_outputs={
             "fsx_dns_name": "fs-0123.fsx.us-east-1.amazonaws.com",

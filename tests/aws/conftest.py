@@ -15,7 +15,7 @@ from moto.ec2.models import ec2_backends
 from moto.ec2.models.amis import Ami
 from moto.ec2.utils import random_ami_id
 
-from infra.aws.clients import AwsClients
+from fsdpctl.targets.aws.clients import AwsClients
 from infra.spec import parse_spec
 
 REGION = "us-east-1"

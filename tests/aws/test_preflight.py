@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import boto3
 import pytest
 from botocore.stub import Stubber
 
-from infra import cli
-from infra.aws import preflight
-from infra.aws.clients import AwsClients
-from infra.cli import CommandError
+from fsdpctl import cli
+from fsdpctl.errors import CommandError
+from fsdpctl.targets.aws import preflight
+from fsdpctl.targets.aws.clients import AwsClients
 
 from .conftest import REGION, Ec2Extras, make_spec, seed_image
 
@@ -281,3 +282,16 @@ def test_cmd_preflight_prints_table_and_exits_non_zero(aws_env, stub_quotas, tmp
     assert re.search(r"^instance type offered in AZ +FAIL +not offered in us-east-1a$", out, re.M)
     assert "pre-flight failed" in err and "nothing was created" in err
     assert "set availability_zone to one of us-east-1b, us-east-1c" in err
+
+
+def test_cmd_preflight_json_is_the_report(aws_env, stub_quotas, tmp_path, capsys):
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text("name: pf\nregion: us-east-1\navailability_zone: us-east-1a\n"
+                         "instance_type: p4de.24xlarge\nnode_count: 2\nssh_cidr: 203.0.113.0/24\n")
+    assert cli.main(["preflight", str(spec_file), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["cluster"] == "pf" and report["passed"] is False
+    offering = next(c for c in report["checks"] if c["name"] == "instance type offered in AZ")
+    assert offering["status"] == "fail" and offering["detail"] == "not offered in us-east-1a"
+    assert "us-east-1b, us-east-1c" in offering["findings"][0]["fix"]
+    assert len(report["checks"]) == len(preflight.CHECKS)

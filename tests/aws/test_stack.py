@@ -7,15 +7,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
 import pytest
 from pulumi import automation as auto
 
-from infra import state as state_mod
-from infra.aws import stack
-from infra.cli import CommandError
+from fsdpctl import lifecycle
+from fsdpctl import state as state_mod
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.targets.aws import stack
 from infra.program import EXPIRES_AT_KEY
 from infra.spec import CLUSTER_TAG, PULUMI_CONFIG_KEY
 
@@ -53,6 +55,10 @@ def fake_pulumi(tmp_path, monkeypatch, fsdpctl_home) -> Path:
     return log
 
 
+def refuse(question: str) -> None:
+    raise AssertionError(f"asked {question!r} before pre-flight passed")
+
+
 def new_state(tmp_path, spec) -> state_mod.ClusterState:
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
@@ -62,7 +68,7 @@ def new_state(tmp_path, spec) -> state_mod.ClusterState:
 def test_up_without_pulumi_cli_says_how_to_install_it(no_pulumi, tmp_path):
     spec = make_spec()
     with pytest.raises(CommandError) as err:
-        stack.up(new_state(tmp_path, spec), spec)
+        stack.up(new_state(tmp_path, spec), spec, node_count=spec.node_count, approve=refuse, out=print)
     message = str(err.value)
     assert "the pulumi CLI is not installed" in message
     assert "curl -fsSL https://get.pulumi.com | sh" in message and stack.PULUMI_DOCS in message
@@ -83,7 +89,7 @@ def test_up_creates_nothing_when_preflight_fails(fake_pulumi, aws, stub_quotas, 
     state = new_state(tmp_path, spec)
     lines = []
     with pytest.raises(CommandError) as err:
-        stack.up(state, spec, out=lines.append)
+        stack.up(state, spec, node_count=spec.node_count, approve=refuse, out=lines.append)
     message = str(err.value)
     assert message.startswith("pre-flight failed, nothing was created:")
     assert "set availability_zone to one of us-east-1b, us-east-1c" in message
@@ -113,15 +119,15 @@ def test_down_without_cli_sweeps_but_keeps_the_state(no_pulumi, aws, tmp_path, m
     assert aws.ec2.describe_volumes(Filters=[{"Name": "volume-id", "Values": [volume]}])["Volumes"] == []
 
 
-def test_down_without_cli_and_without_a_stack_removes_the_state(no_pulumi, aws, tmp_path, monkeypatch):
-    # `up` stopped before the stack existed (no CLI, failed pre-flight): nothing to destroy.
+def test_down_without_cli_and_without_a_stack_is_clean(no_pulumi, aws, tmp_path, monkeypatch):
+    # `up` stopped before the stack existed (no CLI, failed pre-flight): nothing to destroy, so the
+    # target reports clean and lifecycle removes the state.
     monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: aws))
     Ec2Extras(aws.ec2)
     spec = make_spec()
     state = new_state(tmp_path, spec)
-    report = stack.down(state, spec, out=lambda _: None)
-    assert report.clean and not state.exists()
-    stack.down(state, spec, out=lambda _: None)  # and again: still fine
+    assert stack.down(state, spec, out=lambda _: None).clean
+    assert stack.down(state, spec, out=lambda _: None).clean  # and again: still fine
 
 
 class FakeStack:
@@ -232,12 +238,73 @@ def test_default_backend_is_local_unless_chosen(fsdpctl_home, monkeypatch):
     assert stack.pulumi_env() == {}
 
 
-def test_replace_refuses_local_clusters_and_unknown_ranks(fsdpctl_home, tmp_path):
+def test_replace_refuses_unknown_ranks_before_asking(fsdpctl_home, tmp_path):
     spec = make_spec()
     state = new_state(tmp_path, spec)
     state.update(nodes=[{"rank": 0, "name": "pf-node0", "address": "10.0.0.1", "instance_id": "i-1"}])
-    with pytest.raises(CommandError, match=r"no node with rank 5 \(ranks: 0\)"):
-        stack.cmd_replace(argparse.Namespace(cluster="pf", rank=5))
-    state.update(target="local")
-    with pytest.raises(CommandError, match="replace works on aws clusters"):
-        stack.cmd_replace(argparse.Namespace(cluster="pf", rank=0))
+    with pytest.raises(UsageError, match=r"no node with rank 5 \(ranks: 0\)"):
+        lifecycle.cmd_replace(argparse.Namespace(cluster="pf", rank=5, yes=True))
+
+
+class RecordingStack(FakeStack):
+    """An Automation API Stack that records what `up` asks of it; `info()` says whether it has been
+    updated before (an existing stack gets a preview diff, a new one the offline plan)."""
+
+    def __init__(self, existing: bool):
+        super().__init__()
+        self.existing, self.calls = existing, []
+
+    def info(self):
+        return object() if self.existing else None
+
+    def preview(self, **kwargs):
+        self.calls.append(("preview", kwargs))
+        kwargs["on_output"]("~ aws:ec2/instance:Instance pf-node0 update [diff: ~tags]\n")
+
+    def up(self, **kwargs):
+        self.calls.append(("up", kwargs))
+        raise AssertionError("pulumi up ran without a yes")
+
+
+@pytest.fixture
+def passing_preflight(monkeypatch, fake_pulumi):
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
+    monkeypatch.setattr(stack.preflight, "run_preflight",
+                        lambda spec, aws, out: stack.preflight.PreflightReport(spec, []))
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_up_shows_the_plan_or_the_diff_with_its_cost_and_creates_nothing_without_a_yes(
+        passing_preflight, tmp_path, monkeypatch, existing):
+    fake = RecordingStack(existing)
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: fake)
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    lines, questions = [], []
+
+    def no(question):
+        questions.append(question)
+        raise CommandError("fsdpctl up: not confirmed; nothing was done")
+
+    with pytest.raises(CommandError, match="not confirmed"):
+        stack.up(state, spec, node_count=spec.node_count, approve=no, out=lines.append)
+    text = "\n".join(lines)
+    assert "Estimated cost" in text and "p4d.24xlarge on-demand" in text
+    (question,) = questions
+    assert re.search(r"about [\d,]+\.\d\d USD per hour; its billed resources expire at 20\d\d-", question)
+    if existing:
+        assert question.startswith("Apply these changes to cluster pf")
+        assert fake.calls[0][0] == "preview" and fake.calls[0][1]["diff"] is True
+        assert "pf-node0 update [diff: ~tags]" in text
+    else:
+        assert question.startswith("Create cluster pf on AWS") and not fake.calls
+    # Not confirmed: `pulumi up` never ran, and `down` has no stack to destroy.
+    assert all(name != "up" for name, _ in fake.calls)
+    assert state.read().pulumi_stack is None
+
+
+def test_lock_advice_names_the_projects_backend(fsdpctl_home, monkeypatch):
+    monkeypatch.delenv("PULUMI_BACKEND_URL", raising=False)
+    advice = stack.cancel_advice("pf")
+    backend = (fsdpctl_home / "pulumi").as_uri()
+    assert advice.startswith(f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf")

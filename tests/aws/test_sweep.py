@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from infra.aws import sweep
+from fsdpctl.targets.aws import sweep
 from infra.components.expiry import schedule_group_name
 from infra.spec import CLUSTER_TAG
 

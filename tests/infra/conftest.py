@@ -1,4 +1,4 @@
-"""Shared fixtures: the spec as a dict, and the offline planner (infra.plan.run_offline, the product's
+"""Shared fixtures: the spec as a dict, and the offline planner (infra.offline.run_offline, the product's
 own recording mocks) to run the Pulumi program for a variant of it.
 
 Every run sets fresh Pulumi mocks (preview=False) and a fresh event loop, and builds the program
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.plan import OfflinePlan, run_offline
+from infra.offline import OfflinePlan, run_offline
 from infra.spec import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]

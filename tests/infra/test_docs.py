@@ -1,8 +1,10 @@
-"""docs/cluster-spec.md documents every field of the spec, with the default the code really has."""
+"""docs/cluster-spec.md documents every field of the spec, with the default the code really has and
+the meaning its docstring gives."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from infra.spec import ClusterSpec
 from tests.infra.conftest import REPO
@@ -11,14 +13,37 @@ DOC = (REPO / "docs" / "cluster-spec.md").read_text()
 
 
 def _field_paths(model: type[BaseModel], prefix: str = "") -> list[tuple[str, object]]:
-    paths = []
+    return [(path, info.default) for path, info in _fields(model, prefix)]
+
+
+def _fields(model: type[BaseModel], prefix: str = "") -> list[tuple[str, FieldInfo]]:
+    found = []
     for name, info in model.model_fields.items():
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            paths += _field_paths(annotation, f"{prefix}{name}.")
+            found += _fields(annotation, f"{prefix}{name}.")
         else:
-            paths.append((f"{prefix}{name}", info.default))
-    return paths
+            found.append((f"{prefix}{name}", info))
+    return found
+
+
+def _meaning(path: str) -> str:
+    """The meaning column of a field's row (the second column of a required field's table)."""
+    required = DOC.split("## Required fields", 1)[1].split("## ", 1)[0]
+    for line in DOC.splitlines():
+        if line.startswith(f"| `{path}` |"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            return cells[1] if line in required else cells[2]
+    raise AssertionError(f"{path} is not documented in docs/cluster-spec.md")
+
+
+def test_every_spec_field_has_a_docstring_that_the_docs_repeat():
+    def words(text: str) -> str:
+        return " ".join(text.split())
+
+    for path, info in _fields(ClusterSpec):
+        assert info.description, f"{path} has no docstring under it in infra/spec/model.py"
+        assert words(info.description) == words(_meaning(path)), path
 
 
 def test_every_spec_field_is_documented_with_its_default():

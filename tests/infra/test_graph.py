@@ -158,7 +158,7 @@ import asyncio, json, runpy, sys
 sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
 import pulumi
 from pulumi.runtime import settings
-from infra.plan import RecordingMocks
+from infra.offline import RecordingMocks
 for cluster in ({json.dumps(demo_data())}, {json.dumps(demo_data(node_count=0, network={"mtu": 12000}))}):
     asyncio.set_event_loop(asyncio.new_event_loop())
     pulumi.runtime.set_all_config({{"fsdp-cluster:cluster": json.dumps(cluster),

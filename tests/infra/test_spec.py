@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.plan import RecordingMocks, run_offline
+from infra.offline import RecordingMocks, run_offline
 from infra.spec import (
     DEFAULT_DLAMI_PARAMETER,
     CapacityType,

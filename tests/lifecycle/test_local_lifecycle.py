@@ -44,11 +44,16 @@ def demo(home: Path):
         local = read_state(home, NAME).get("local") if (home / "clusters" / NAME).exists() else None
         yield result, local
     finally:
-        fsdpctl(home, "down", "--cluster", NAME, timeout=300, check=False)
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, timeout=300, check=False)
+
+
+def _run_dir(home: Path, kind: str) -> Path:
+    """The newest run directory of a kind (smoke, scale-test) under the cluster's reports."""
+    return sorted((home / "reports" / NAME).glob(f"*-{kind}*"), key=lambda p: p.stat().st_mtime)[-1]
 
 
 def _report(home: Path) -> dict:
-    return json.loads((home / "clusters" / NAME / "report.json").read_text())
+    return json.loads((_run_dir(home, "smoke") / "report.json").read_text())
 
 
 def _check(report: dict, name: str) -> dict:
@@ -68,9 +73,10 @@ def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo, home):
     # The terminal table names every check with its result.
     for check in report["checks"]:
         assert any(line.split()[:2] == [check["name"], "PASS"] for line in result.stdout.splitlines())
-    # The demo keeps a copy of the report outside the cluster's state dir.
-    kept = home / "reports" / NAME
-    assert json.loads((kept / "report.json").read_text())["checks"] == report["checks"]
+    # The report is written outside the cluster's state dir, so `down` leaves it, and the state
+    # points at it.
+    assert read_state(home, NAME)["last_report"] == str(_run_dir(home, "smoke"))
+    assert f"smoke report: {_run_dir(home, 'smoke')}/report.html" in result.stdout
 
 
 def test_report_carries_the_measurements(demo, home):
@@ -96,7 +102,7 @@ def test_report_carries_the_measurements(demo, home):
     assert recovery["resumed_at_step"] > 1
     assert (recovery["resumed_at_step"] - 1) % recovery["checkpoint_interval"] == 0
 
-    page = (home / "clusters" / NAME / "report.html").read_text()
+    page = (_run_dir(home, "smoke") / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 4  # bandwidth, loss, tokens/s and memory per rank
 
 
@@ -110,7 +116,8 @@ def test_second_deploy_reuses_the_wheelhouse_and_the_venvs(demo, home):
 
 def test_scale_test_measures_strong_and_weak_scaling_over_1_and_2_nodes(demo, home):
     result = fsdpctl(home, "scale-test", "--cluster", NAME, "--steps", "4", timeout=600)
-    data = json.loads((home / "clusters" / NAME / "scaling.json").read_text())
+    run_dir = _run_dir(home, "scale-test")
+    data = json.loads((run_dir / "scaling.json").read_text())
     assert data["node_counts"] == [1, 2]
     for mode in ("strong", "weak"):
         runs = data[mode]["runs"]
@@ -122,7 +129,7 @@ def test_scale_test_measures_strong_and_weak_scaling_over_1_and_2_nodes(demo, ho
     strong, weak = data["strong"]["runs"], data["weak"]["runs"]
     assert strong[0]["training.global_batch_size"] == strong[1]["training.global_batch_size"]
     assert weak[1]["training.global_batch_size"] == 2 * weak[0]["training.global_batch_size"]
-    assert (home / "clusters" / NAME / "scaling.png").read_bytes().startswith(b"\x89PNG")
+    assert (run_dir / "scaling.png").read_bytes().startswith(b"\x89PNG")
     assert "efficiency" in result.stdout
 
 
@@ -164,5 +171,9 @@ def test_smoke_fails_naming_inventory_when_a_node_is_down(demo, home):
 def test_down_leaves_nothing_behind(demo, home):
     _, local = demo
     assert local, "the demo did not record its local nodes"
-    fsdpctl(home, "down", "--cluster", NAME, timeout=300)
+    reports = sorted(p.name for p in (home / "reports" / NAME).iterdir())
+    fsdpctl(home, "down", "--yes", "--cluster", NAME, timeout=300)
     assert host_leftovers(home, local) == []
+    # Every run's logs and reports outlive the cluster.
+    assert sorted(p.name for p in (home / "reports" / NAME).iterdir()) == reports
+    assert any(name.endswith("-smoke") for name in reports) and any("-configure" in n for n in reports)

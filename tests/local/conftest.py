@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.local.host import missing_commands
+from fsdpctl.targets.local.host import missing_commands
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "198.18.1.0/24"  # this area's subnet; other areas' tests use other ones

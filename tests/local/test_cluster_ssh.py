@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from infra import remote
-from infra.configure import run_configure
-from infra.state import cluster_state
+from fsdpctl import remote
+from fsdpctl.configure import run_configure
+from fsdpctl.state import cluster_state
 from tests.local.conftest import fsdpctl, spec_file
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -31,7 +31,7 @@ def configured(prerequisites, tmp_path_factory):
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
         yield home
     finally:
-        fsdpctl(home, "down", "--cluster", NAME, check=False)
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from infra import remote
-from infra.configure import run_configure
-from infra.state import cluster_state
+from fsdpctl import remote
+from fsdpctl.configure import run_configure
+from fsdpctl.state import cluster_state
 from tests.local.conftest import REPO, fsdpctl, spec_file
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -37,7 +37,7 @@ def cluster(prerequisites, tmp_path_factory):
         fsdpctl(home, "up", str(spec), "--target", "local")
         yield home
     finally:
-        fsdpctl(home, "down", "--cluster", NAME, check=False)
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -173,5 +173,5 @@ def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
 
 def test_a_limit_that_matches_no_node_is_an_error(first_run, cluster):
     result = fsdpctl(cluster, "configure", "--limit", "no-such-node", check=False)
-    assert result.returncode == 1
-    assert "--limit 'no-such-node' names none of the cluster's nodes" in result.stdout
+    assert result.returncode == 2  # a usage error: nothing to run on
+    assert "--limit 'no-such-node' names none of the cluster's nodes" in result.stderr

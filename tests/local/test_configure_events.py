@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.cli import CommandError
-from infra.configure import _EventPrinter, parse_extra_vars
+from fsdpctl.configure import _EventPrinter, parse_extra_vars
+from fsdpctl.errors import CommandError
 
 
 def event(kind: str, task: str, role: str = "network", host: str = "n0", **extra) -> dict:

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from infra.cli import CommandError
-from infra.local.host import REQUIRED_COMMANDS, require_host
-from infra.local.rootfs import cache_key, image_packages, role_packages
+from fsdpctl.errors import CommandError
+from fsdpctl.targets.local.host import REQUIRED_COMMANDS, require_host
+from fsdpctl.targets.local.rootfs import cache_key, image_packages, role_packages
 from tests.local.conftest import fsdpctl, missing_prerequisite, spec_file
 
 
@@ -52,7 +52,13 @@ def test_rootfs_packages_come_from_the_common_role(tmp_path):
     assert role_packages(defaults) == ["jq", "ethtool"]
     packages = image_packages(defaults)
     assert {"jq", "ethtool", "openssh-server", "systemd", "python3-venv"} <= set(packages)
-    assert cache_key(packages) != cache_key(image_packages(tmp_path / "absent.yml"))
+    other = tmp_path / "other.yml"
+    other.write_text("common_base_packages:\n  - jq\n")
+    assert cache_key(packages) != cache_key(image_packages(other))
+    with pytest.raises(CommandError, match=r"absent\.yml does not exist"):
+        image_packages(tmp_path / "absent.yml")
+    # The repository's own role is found from wherever fsdpctl is installed.
+    assert "mdadm" in role_packages()
     defaults.write_text("common_base_packages: jq\n")
     with pytest.raises(CommandError, match="common_base_packages must be a list"):
         role_packages(defaults)

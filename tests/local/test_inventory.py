@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from infra import remote
-from infra import state as state_mod
-from infra.cli import CommandError
-from infra.inventory import build_inventory, render_ini, write_inventory
+from fsdpctl import remote
+from fsdpctl import state as state_mod
+from fsdpctl.errors import CommandError
+from fsdpctl.inventory import build_inventory, render_ini, write_inventory
 from tests.local.conftest import fsdpctl, spec_file
 
 BASTION = "ubuntu@203.0.113.10"
@@ -120,7 +120,7 @@ def test_ini_and_json_mean_the_same_to_ansible(home, tmp_path, make_state):
     assert from_ini["nodes"]["hosts"] == from_json["nodes"]["hosts"]
     first = from_ini["_meta"]["hostvars"][from_ini["nodes"]["hosts"][0]]
     assert first["node_rank"] == 0 and first["fsdp_mtu"] == 9000
-    assert first["fsdp_offline"] is (state.read()["target"] == "local")
+    assert first["fsdp_offline"] is (state.read().target == "local")
     assert first["fsdp_efa_installer_sha256"] is None
 
 
@@ -142,4 +142,4 @@ def test_exclude_validates_rank_and_reason_and_drops_a_fully_excluded_inventory(
     assert "inv-local-node0" not in state.inventory_path.read_text()
     last = fsdpctl(home, "exclude", "1", "--reason", "XID 79")
     assert "every node is now excluded" in last.stdout and not state.inventory_path.exists()
-    assert [e["rank"] for e in state.read()["excluded"]] == [0, 1]
+    assert [e.rank for e in state.read().excluded] == [0, 1]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from infra import remote
-from infra.state import cluster_state
+from fsdpctl import remote
+from fsdpctl.state import cluster_state
 from tests.local.conftest import fsdpctl, host_leftovers, read_state, spec_file
 
 pytestmark = pytest.mark.root
@@ -31,7 +31,7 @@ def cluster(prerequisites, tmp_path_factory):
         assert "2 node(s) up" in up.stdout
         yield home, spec
     finally:
-        fsdpctl(home, "down", "--cluster", NAME, check=False)
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_each_node_has_its_own_identity(state):
 
 
 def test_bridge_allows_jumbo_frames_once_eth0_is_raised(state):
-    bridge = state.read()["local"]["bridge"]
+    bridge = state.read().local.bridge
     assert Path(f"/sys/class/net/{bridge}/mtu").read_text().strip() == "9000"
     # eth0 starts at 1500: raising it is the playbook's job, which the bridge must permit.
     assert remote.run(state, 0, "cat /sys/class/net/eth0/mtu").stdout.strip() == "1500"
@@ -74,7 +74,7 @@ def test_bridge_allows_jumbo_frames_once_eth0_is_raised(state):
 def test_shared_dir_is_the_same_on_every_node(state):
     remote.run(state, 0, "echo written-on-node0 > /shared/probe")
     assert remote.run(state, 1, "cat /shared/probe").stdout.strip() == "written-on-node0"
-    host_dir = state.read()["local"]["shared_host_dir"]
+    host_dir = state.read().local.shared_host_dir
     assert Path(f"{host_dir}/probe").read_text().strip() == "written-on-node0"
 
 
@@ -87,7 +87,7 @@ def test_nodes_reach_each_other_but_nothing_beyond_the_bridge(state):
     probe = remote.run(state, 0, "timeout 5 bash -c 'exec 3<>/dev/tcp/198.18.7.9/22' && echo connected",
                        check=False)
     assert probe.returncode != 0 and "connected" not in probe.stdout
-    bridge = state.read()["local"]["bridge"]
+    bridge = state.read().local.bridge
     assert Path(f"/proc/sys/net/ipv4/conf/{bridge}/forwarding").read_text().strip() == "0"
 
 
@@ -171,9 +171,10 @@ def test_down_leaves_nothing_behind_and_is_safe_twice(cluster):
     """Last in the module: it takes the module's cluster down (one node's nspawn killed before)."""
     home, _ = cluster
     local = read_state(home, NAME)["local"]
-    down = fsdpctl(home, "down")
+    down = fsdpctl(home, "down", "--yes")
     assert "is down" in down.stdout
     assert host_leftovers(home, local) == []
     assert not (home / "current").exists()
-    again = fsdpctl(home, "down")
-    assert "nothing to tear down" in again.stdout
+    # A second down, or a mistyped name, is an error that names the known clusters, not a success.
+    again = fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
+    assert again.returncode == 2 and f"no cluster named {NAME!r}" in again.stderr

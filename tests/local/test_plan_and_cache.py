@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.cli import CommandError
-from infra.local import rootfs
-from infra.local.nodes import make_plan
+from fsdpctl.errors import CommandError
+from fsdpctl.state import cluster_state
+from fsdpctl.targets.local import rootfs
+from fsdpctl.targets.local.nodes import make_plan
 from infra.spec import load_spec
-from infra.state import cluster_state
 from tests.local.conftest import REPO, missing_prerequisite, spec_file
 
 
@@ -92,7 +92,7 @@ def fake_debootstrap(bin_dir: Path, body: str) -> dict[str, str]:
 
 
 BUILD = """
-from infra.local import rootfs
+from fsdpctl.targets.local import rootfs
 print("ROOT", rootfs.ensure_rootfs(), flush=True)
 """
 

@@ -350,7 +350,7 @@ def test_failed_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.Monkey
 
     job = Job()
     mgr = manager(tmp_path, Log())
-    monkeypatch.setattr(ckpt.dcp, "async_save", failing_async_save)
+    monkeypatch.setattr(ckpt.manager.dcp, "async_save", failing_async_save)
     mgr.save(2, job.model, job.optimizer, job.extra)
     with pytest.raises(CheckpointError, match=r"step 2 .* not committed.*No space left on device"):
         mgr.wait()

@@ -9,7 +9,7 @@ from trainer.config import ConfigError, Strategy, derive_layout, load_config, pa
 
 
 def _problems(excinfo) -> dict[str, str]:
-    return {p.field: str(p) for p in excinfo.value.problems}
+    return {p.key: str(p) for p in excinfo.value.problems}
 
 
 def test_defaults_follow_the_guide():
@@ -112,3 +112,20 @@ def test_cli_options_are_full_words():
     assert args.resume == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--config", "tiny", "--step", "3"])
+
+
+def test_every_config_key_has_a_docstring():
+    from pydantic import BaseModel
+
+    from trainer.config import TrainConfig
+
+    def undocumented(model: type[BaseModel], prefix: str = "") -> list[str]:
+        found = []
+        for name, info in model.model_fields.items():
+            if not info.description:
+                found.append(prefix + name)
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                found += undocumented(info.annotation, f"{prefix}{name}.")
+        return found
+
+    assert undocumented(TrainConfig) == []

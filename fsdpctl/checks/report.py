@@ -1,0 +1,181 @@
+"""Smoke-test reports: `report.json` (the data) and `report.html` (the same, with plots), plus the
+pass/fail table printed on the terminal.
+
+A report is a plain dict:
+
+    {"cluster": NAME, "target": "local"|"aws", "instance_type": ..., "nodes": N, "started_at": ISO,
+     "passed": bool, "failed": [check names],
+     "checks": [{"name", "status": "pass"|"fail"|"skip", "summary", "duration_s", "details"}],
+     "bandwidth": collectives result (trainer.collectives) or None,
+     "training": {"steps": [metrics lines], "per_rank": [{"rank", "tokens_per_s", "max_mem_bytes"}]}}
+
+The plots are drawn with matplotlib's Agg back end and embedded as base64 PNG, so the HTML file is
+self-contained (it can be copied off the operator machine or attached to a ticket).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+STATUS_MARK = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
+PLOTS_MISSING = ("matplotlib is not installed: the report is written without plots (install the report "
+                 "extra: pip install -e '.[report]')")
+
+
+def plots_available() -> bool:
+    """Whether matplotlib can be imported; checked before the checks run, so a missing report extra
+    is said up front and never ends a finished smoke test in a traceback."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_table(checks: Iterable[Mapping[str, Any]]) -> str:
+    """The fixed-width pass/fail table the smoke test prints."""
+    rows = [(c["name"], STATUS_MARK.get(c["status"], c["status"].upper()),
+             f"{c.get('duration_s', 0):.1f}s", c.get("summary", "")) for c in checks]
+    head = ("check", "result", "time", "summary")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths, strict=True)) + "  " + head[3]]
+    lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 7)
+    for row in rows:
+        lines.append("  ".join(v.ljust(w) for v, w in zip(row[:3], widths, strict=True)) + "  " + row[3])
+    return "\n".join(lines)
+
+
+def _figure_png(draw) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    try:
+        draw(ax)
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+    finally:
+        plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _bandwidth_plot(bandwidth: Mapping[str, Any], gate_gbps: float | None) -> str:
+    rows = bandwidth["results"]
+
+    def draw(ax):
+        sizes = [r["bytes"] for r in rows]
+        ax.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", label="bus bandwidth")
+        ax.plot(sizes, [r["algbw_gbps"] for r in rows], marker=".", linestyle="--",
+                label="algorithm bandwidth")
+        if gate_gbps is not None:
+            ax.axhline(gate_gbps, color="red", linestyle=":", label=f"gate {gate_gbps:g} GB/s")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"all-reduce, {bandwidth['world_size']} ranks, {bandwidth['backend']}")
+        ax.legend()
+
+    return _figure_png(draw)
+
+
+def _loss_plot(steps: list[Mapping[str, Any]]) -> str:
+    def draw(ax):
+        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], marker=".")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title("training loss")
+
+    return _figure_png(draw)
+
+
+def _per_rank_plot(per_rank: list[Mapping[str, Any]], key: str, scale: float, ylabel: str, title: str) -> str:
+    def draw(ax):
+        ranks = [r["rank"] for r in per_rank]
+        ax.bar([str(r) for r in ranks], [r[key] / scale for r in per_rank])
+        ax.set_xlabel("rank")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+
+    return _figure_png(draw)
+
+
+def plots(report: Mapping[str, Any]) -> dict[str, str]:
+    """Base64 PNGs by title, for whatever data the report holds."""
+    out = {}
+    bandwidth = report.get("bandwidth")
+    if bandwidth and bandwidth.get("results"):
+        out["All-reduce bandwidth vs message size"] = _bandwidth_plot(
+            bandwidth, report.get("bandwidth_gate_gbps"))
+    training = report.get("training") or {}
+    steps = [s for s in training.get("steps", []) if "loss" in s]
+    if steps:
+        out["Loss"] = _loss_plot(steps)
+    per_rank = training.get("per_rank") or []
+    if any("tokens_per_s" in r for r in per_rank):
+        out["Tokens/s per rank"] = _per_rank_plot(
+            [r for r in per_rank if "tokens_per_s" in r], "tokens_per_s", 1.0, "tokens/s",
+            "throughput per rank")
+    if any("max_mem_bytes" in r for r in per_rank):
+        out["Memory per rank"] = _per_rank_plot(
+            [r for r in per_rank if "max_mem_bytes" in r], "max_mem_bytes", 2**20, "MiB",
+            "peak memory per rank")
+    return out
+
+
+def render_html(report: Mapping[str, Any], *, with_plots: bool = True) -> str:
+    esc = html.escape
+    verdict = "PASSED" if report.get("passed") else "FAILED: " + ", ".join(report.get("failed", []))
+    rows = "\n".join(
+        f"<tr class='{esc(c['status'])}'><td>{esc(c['name'])}</td><td>{STATUS_MARK.get(c['status'], '')}</td>"
+        f"<td>{c.get('duration_s', 0):.1f} s</td><td>{esc(c.get('summary', ''))}</td></tr>"
+        for c in report.get("checks", []))
+    details = "\n".join(
+        f"<h3>{esc(c['name'])}</h3><pre>{esc(json.dumps(c.get('details', {}), indent=2, default=str))}</pre>"
+        for c in report.get("checks", []) if c.get("details"))
+    figures = "\n".join(
+        f"<figure><img alt='{esc(title)}' src='data:image/png;base64,{png}'><figcaption>{esc(title)}"
+        "</figcaption></figure>" for title, png in plots(report).items()) if with_plots \
+        else f"<p>{esc(PLOTS_MISSING)}</p>"
+    meta = ", ".join(f"{k}: {esc(str(report[k]))}" for k in ("target", "instance_type", "nodes", "started_at")
+                     if k in report)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>Smoke test: {esc(str(report.get('cluster')))}</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
+tr.pass td:nth-child(2) {{ color: #070; }} tr.fail td:nth-child(2) {{ color: #b00; font-weight: bold; }}
+tr.skip td:nth-child(2) {{ color: #777; }} figure {{ display: inline-block; margin: 1em; }}
+pre {{ background: #f6f6f6; padding: 8px; overflow-x: auto; }}
+</style></head><body>
+<h1>Smoke test: {esc(str(report.get('cluster')))} &mdash; {esc(verdict)}</h1>
+<p>{meta}</p>
+<table><tr><th>check</th><th>result</th><th>time</th><th>summary</th></tr>
+{rows}
+</table>
+<h2>Plots</h2>
+{figures or '<p>no measurements to plot</p>'}
+<h2>Details</h2>
+{details}
+</body></html>
+"""
+
+
+def write_report(directory: Path, report: Mapping[str, Any], *,
+                 with_plots: bool = True) -> tuple[Path, Path]:
+    """Write report.json and report.html into `directory`; returns both paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path, html_path = directory / "report.json", directory / "report.html"
+    json_path.write_text(json.dumps(report, indent=2, default=str))
+    html_path.write_text(render_html(report, with_plots=with_plots))
+    return json_path, html_path

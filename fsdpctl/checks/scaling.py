@@ -1,0 +1,168 @@
+"""`fsdpctl scale-test`: strong- and weak-scaling runs of the deployed trainer over 1..N nodes.
+
+Strong scaling keeps the global batch fixed (more nodes, less work each); weak scaling keeps the batch
+per rank fixed (more nodes, more work). Both report throughput in tokens/s over all ranks and the
+scaling efficiency at k nodes, E(k) = throughput(k) / (k * throughput(1)): 1.0 is linear scaling.
+The throughput of a run is the mean over its steps after the first `WARMUP_STEPS` (start-up, lazy
+allocation). Results go to `scaling.json` and `scaling.png` in the run's directory under
+`$FSDPCTL_HOME/reports/<cluster>/`, which `fsdpctl down` leaves in place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from fsdpctl import remote
+from fsdpctl.checks.context import CheckContext, CheckError, CheckResult, check_context
+from fsdpctl.checks.nodes import check_inventory
+from fsdpctl.checks.report import PLOTS_MISSING, plots_available
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_jsonl, step_lines
+from fsdpctl.console import say, stage
+from fsdpctl.deploy import DeployError
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.state import ClusterState, resolve
+
+WARMUP_STEPS = 2
+# Sequences per rank per micro-batch in weak scaling, and per rank at the largest size in strong
+# scaling: small enough for CPU nodes, and the global batch divides evenly at every node count.
+MICRO_BATCH = 2
+
+
+_log = stage("scale-test")
+
+
+def node_counts(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, always ending with n."""
+    counts = [1 << i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
+    return counts if counts and counts[-1] == n else [*counts, n]
+
+
+def efficiency(throughputs: dict[int, float]) -> dict[int, float]:
+    """E(k) = T(k) / (k * T(1)) for every measured node count k."""
+    base = throughputs.get(1)
+    if not base:
+        raise ValueError("efficiency needs a positive 1-node throughput")
+    return {k: t / (k * base) for k, t in sorted(throughputs.items())}
+
+
+def strong_global_batch(counts: list[int], nproc: int) -> int:
+    """A global batch every world size in the sweep divides, MICRO_BATCH per rank at the largest."""
+    lcm = math.lcm(*(k * nproc for k in counts))
+    return lcm * max(1, math.ceil(MICRO_BATCH * max(counts) * nproc / lcm))
+
+
+def _run(ctx: CheckContext, mode: str, k: int, steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    metrics = f"{ctx.work_dir}/{mode}-{k}.jsonl"
+    args = ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), "--resume", "none",
+            "--metrics-file", metrics, "--seed", "0"]
+    for key, value in overrides.items():
+        args += ["--set", f"{key}={value}"]
+    job = ctx.job(f"{mode}-{k}", args, ranks=ctx.ranks[:k])
+    failure = job.failure(job.wait(RUN_TIMEOUT_S))
+    if failure:
+        raise CheckError(f"{mode} scaling run on {k} node(s) failed: {failure}")
+    lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+    timed = lines[WARMUP_STEPS:]
+    if not timed:
+        raise CheckError(f"{mode} scaling run on {k} node(s) logged {len(lines)} steps; need more than "
+                         f"{WARMUP_STEPS} (raise --steps)")
+    return {"nodes": k, "ranks": k * ctx.nproc, "steps": len(lines), **overrides,
+            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
+            "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed)}
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    try:
+        for mode in ("strong", "weak"):
+            runs = result[mode]["runs"]
+            ks = [r["nodes"] for r in runs]
+            ax_t.plot(ks, [r["tokens_per_s"] for r in runs], marker="o", label=f"{mode} scaling")
+            ax_e.plot(ks, [result[mode]["efficiency"][str(k)] for k in ks], marker="o",
+                      label=f"{mode} scaling")
+        ks = [r["nodes"] for r in result["strong"]["runs"]]
+        base = result["strong"]["runs"][0]["tokens_per_s"]
+        ax_t.plot(ks, [base * k for k in ks], linestyle=":", color="grey", label="linear (strong)")
+        ax_e.axhline(1.0, linestyle=":", color="grey", label="linear")
+        for ax, ylabel in ((ax_t, "tokens/s (all ranks)"), (ax_e, "efficiency T(k) / (k T(1))")):
+            ax.set_xlabel("nodes")
+            ax.set_ylabel(ylabel)
+            ax.set_xticks(ks)
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        ax_e.set_ylim(0, max(1.1, *(max(result[m]["efficiency"].values()) for m in ("strong", "weak"))))
+        fig.suptitle(f"{result['cluster']}: scaling over {result['nproc_per_node']} rank(s) per node")
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def run_scaling(state: ClusterState, *, steps: int = 20) -> dict[str, Any]:
+    plots = plots_available()
+    if not plots:
+        _log(f"note: {PLOTS_MISSING}")
+    ctx = check_context(state, "scale-test", steps=steps)
+    inventory = CheckResult("inventory")
+    check_inventory(ctx, inventory)
+    if inventory.status == "fail":
+        raise CheckError(inventory.summary)
+    counts = node_counts(len(ctx.ranks))
+    remote.run_all(state, f"mkdir -p {ctx.work_dir}", timeout=30)
+    global_batch = strong_global_batch(counts, ctx.nproc)
+    result: dict[str, Any] = {"cluster": state.name, "nproc_per_node": ctx.nproc, "steps": steps,
+                              "warmup_steps": WARMUP_STEPS, "node_counts": counts,
+                              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    modes = {
+        "strong": lambda k: {"training.global_batch_size": global_batch,
+                             "training.gradient_accumulation": 1},
+        "weak": lambda k: {"training.global_batch_size": MICRO_BATCH * k * ctx.nproc,
+                           "training.gradient_accumulation": 1},
+    }
+    try:
+        for mode, overrides in modes.items():
+            runs = []
+            for k in counts:
+                _log(f"{mode} scaling on {k} node(s) ...")
+                run = _run(ctx, mode, k, steps, overrides(k))
+                _log(f"{mode} scaling on {k} node(s): {run['tokens_per_s']:.0f} tokens/s")
+                runs.append(run)
+            eff = efficiency({r["nodes"]: r["tokens_per_s"] for r in runs})
+            result[mode] = {"runs": runs, "efficiency": {str(k): e for k, e in eff.items()}}
+    finally:
+        remote.run_all(state, f"rm -rf {ctx.work_dir}", timeout=60, check=False)
+    json_path, png_path = ctx.run_dir / "scaling.json", ctx.run_dir / "scaling.png"
+    json_path.write_text(json.dumps(result, indent=2))
+    result["paths"] = [str(json_path)]
+    if plots:
+        _plot(result, png_path)
+        result["paths"].append(str(png_path))
+    return result
+
+
+def cmd_scale_test(args) -> int:
+    state = resolve(args.cluster)
+    if args.steps <= WARMUP_STEPS:
+        raise UsageError(f"--steps {args.steps} leaves nothing to measure after {WARMUP_STEPS} warm-up "
+                           "steps; use e.g. --steps 20")
+    try:
+        result = run_scaling(state, steps=args.steps)
+    except (CheckError, DeployError) as e:
+        raise CommandError(f"scale test of cluster {state.name!r} failed: {e}\nFix the cause and rerun "
+                           "`fsdpctl scale-test`.") from None
+    say(f"{'mode':<7} {'nodes':>5} {'ranks':>5} {'tokens/s':>10} {'efficiency':>10}")
+    for mode in ("strong", "weak"):
+        for run in result[mode]["runs"]:
+            say(f"{mode:<7} {run['nodes']:>5} {run['ranks']:>5} {run['tokens_per_s']:>10.0f} "
+                  f"{result[mode]['efficiency'][str(run['nodes'])]:>10.2f}")
+    say("results: " + ", ".join(result["paths"]) + " (kept after `fsdpctl down`)")
+    return 0

@@ -1,0 +1,226 @@
+"""The `fsdp` and `recovery` checks: a short multi-node FSDP run (loss, memory balance, gradient
+sync share, verified checkpoints, resume) and recovery from a node whose workers are killed."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from typing import Any
+
+from fsdpctl import remote
+from fsdpctl.checks.context import CheckContext, CheckError, CheckResult
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_jsonl, step_lines
+from fsdpctl.console import stage
+from fsdpctl.deploy import deployed_venv
+
+_log = stage("smoke")
+
+# FSDP shards parameters evenly; peak memory of the most loaded rank over the least loaded one.
+MEMORY_BALANCE_BOUND = 1.25
+# The guide: gradient synchronisation under 15% of the step time (gated on GPUs only: on gloo/CPU,
+# communication and computation share the same two cores).
+GRAD_SYNC_SHARE_BOUND = 0.15
+RECOVERY_TIMEOUT_S = 300
+POLL_S = 0.25
+
+
+def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, interval: int,
+                  metrics: str, resume: str) -> list[str]:
+    checkpointing = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-interval", str(interval)] \
+        if checkpoint_dir else []
+    return ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), *checkpointing,
+            "--metrics-file", metrics, "--resume", resume, "--seed", "0"]
+
+
+def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[dict[str, Any]]:
+    venv = deployed_venv(ctx.state)
+    proc = remote.run(ctx.state, ctx.ranks[0], f"{venv}/bin/python -m trainer.checkpoint list --json "
+                      f"{shlex.quote(checkpoint_dir)}", timeout=120, check=False)
+    try:
+        return json.loads(proc.stdout) if proc.returncode == 0 else []
+    except ValueError:
+        return []
+
+
+def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
+    steps = ctx.steps
+    interval = max(1, steps // 2)
+    # Every rank writes into one checkpoint directory, so checkpoints need the shared file system.
+    ckpt = f"{ctx.work_dir}/fsdp-checkpoints" if ctx.shared else None
+    metrics = f"{ctx.work_dir}/fsdp-metrics.jsonl"
+    job = ctx.job("fsdp", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
+                                        metrics=metrics, resume="none"))
+    failure = job.failure(job.wait(RUN_TIMEOUT_S))
+    if failure:
+        result.fail(f"training run failed: {failure}")
+        return
+    rows = read_remote_jsonl(ctx.state, ctx.ranks[0], metrics)
+    lines = step_lines(rows)
+    summary_event = next((r for r in rows if r.get("event") == "summary"), {})
+    ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(lines)}
+    problems, facts = [], {"steps": len(lines), "world_size": len(ctx.ranks) * ctx.nproc}
+    if len(lines) < steps:
+        result.fail(f"the run logged {len(lines)} of {steps} steps to {metrics}")
+        return
+
+    quarter = max(1, len(lines) // 4)
+    first = sum(r["loss"] for r in lines[:quarter]) / quarter
+    last = sum(r["loss"] for r in lines[-quarter:]) / quarter
+    facts.update(loss_first=first, loss_last=last)
+    if not last < first:
+        problems.append(f"loss did not decrease (mean of the first {quarter} steps {first:.4f}, "
+                        f"of the last {quarter} {last:.4f})")
+
+    ratio = max((r.get("mem_max_min_ratio") or 1.0) for r in lines)
+    facts["mem_max_min_ratio"] = ratio
+    if ratio > MEMORY_BALANCE_BOUND:
+        problems.append(f"memory unbalanced: max/min peak memory across ranks {ratio:.2f} > "
+                        f"{MEMORY_BALANCE_BOUND}")
+
+    timed = lines[1:] or lines  # the first step includes start-up work
+    shares = [r["grad_sync_share"] for r in timed if r.get("grad_sync_share") is not None]
+    share = sum(shares) / len(shares) if shares else None
+    facts["grad_sync_share"] = share
+    facts["tokens_per_s"] = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    if ctx.on_gpu and share is None:
+        problems.append("gradient-sync share not measured: the trainer config needs "
+                        "training.gradient_accumulation >= 2")
+    elif ctx.on_gpu and share >= GRAD_SYNC_SHARE_BOUND:
+        problems.append(f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})")
+
+    checkpoints = _list_checkpoints(ctx, ckpt) if ckpt else []
+    facts["checkpoints"] = [{k: c.get(k) for k in ("step", "verified", "bytes", "problems")}
+                            for c in checkpoints]
+    verified = [c for c in checkpoints if c.get("verified")]
+    if ckpt is None:
+        checkpoint_note = ("checkpoint and resume skipped: the cluster has no shared file system "
+                           "(enable storage.fsx)")
+    elif not checkpoints:
+        problems.append(f"no checkpoint written under {ckpt}")
+    elif len(verified) != len(checkpoints):
+        bad = [p for c in checkpoints for p in c.get("problems", [])]
+        problems.append("checkpoint manifest does not verify: " + "; ".join(bad[:3]))
+
+    if verified:
+        resume_steps = steps + max(2, steps // 4)
+        resumed_metrics = f"{ctx.work_dir}/fsdp-resume-metrics.jsonl"
+        job = ctx.job("fsdp-resume", trainer_args(ctx, steps=resume_steps, checkpoint_dir=ckpt,
+                                                   interval=interval, metrics=resumed_metrics,
+                                                   resume="auto"))
+        failure = job.failure(job.wait(RUN_TIMEOUT_S))
+        resumed = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], resumed_metrics))
+        latest = max(c["step"] for c in verified)
+        facts["resume"] = {"from_step": latest, "first_step": resumed[0]["step"] if resumed else None,
+                           "last_step": resumed[-1]["step"] if resumed else None}
+        if failure:
+            problems.append(f"resume run failed: {failure}")
+        elif not resumed or resumed[0]["step"] != latest + 1 or resumed[-1]["step"] != resume_steps:
+            problems.append(f"resume did not continue from the checkpoint at step {latest}: "
+                            f"{facts['resume']}")
+        checkpoint_note = (f"{len(verified)} checkpoint(s) verified; resumed at step "
+                           f"{facts['resume']['first_step']}")
+
+    result.details = facts
+    if problems:
+        result.fail("; ".join(problems))
+    else:
+        sync_note = "" if ctx.on_gpu else " (reported, not gated, on gloo)"
+        sync = "not measured" if share is None else f"{share:.0%}"
+        result.summary = (f"loss {first:.3f} -> {last:.3f}; memory max/min {ratio:.2f}; grad sync "
+                          f"{sync}{sync_note}; {checkpoint_note}")
+
+
+def per_rank_figures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Peak memory of each rank over the run, and throughput per rank (steps are synchronous across
+    ranks, so each rank's tokens/s is the global figure divided by the world size; the first step,
+    start-up included, is left out)."""
+    per_step = [r["mem_bytes_per_rank"] for r in lines if r.get("mem_bytes_per_rank")]
+    if not per_step:
+        return []
+    timed = lines[1:] or lines
+    world = len(per_step[-1])
+    tokens = sum(r["tokens_per_s"] for r in timed) / len(timed) / world
+    return [{"rank": rank, "max_mem_bytes": max(m[rank] for m in per_step if len(m) == world),
+             "tokens_per_s": tokens} for rank in range(world)]
+
+
+def check_recovery(ctx: CheckContext, result: CheckResult) -> None:
+    if not ctx.shared:
+        result.status = "skip"
+        result.summary = "no shared file system: restarted ranks cannot load checkpoints"
+        return
+    steps, interval = max(16, ctx.steps), 4
+    ckpt, metrics = f"{ctx.work_dir}/recovery-checkpoints", f"{ctx.work_dir}/recovery-metrics.jsonl"
+    victim = ctx.ranks[-1]
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store, gloo reconnects to the previous
+    # round's addresses after a restart and the job hangs (pytorch/pytorch#135712).
+    job = ctx.job("recovery", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
+                                            metrics=metrics, resume="auto"),
+                  max_restarts=3, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    try:
+        facts = _kill_and_time_recovery(ctx, job, victim, metrics, interval)
+    except CheckError as e:
+        job.stop()
+        result.fail(str(e))
+        return
+    failure = job.failure(job.wait(RUN_TIMEOUT_S))
+    lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+    facts["last_step"] = lines[-1]["step"] if lines else None
+    result.details = facts
+    if failure:
+        result.fail(f"the run did not complete after the restart: {failure}")
+    elif facts["last_step"] != steps:
+        result.fail(f"the run stopped at step {facts['last_step']} of {steps}")
+    else:
+        result.summary = (f"killed node {victim}'s workers after step {facts['killed_after_step']}; training "
+                          f"continued at step {facts['resumed_at_step']} (from the checkpoint of step "
+                          f"{facts['resumed_at_step'] - 1}) after "
+                          f"{facts['recovery_time_s']:.1f} s; completed {steps} steps")
+
+
+def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob, victim: int, metrics: str,
+                            interval: int) -> dict[str, Any]:
+    """Wait for a checkpoint and a step after it, kill the victim's workers, and time the recovery:
+    from the kill to the first metrics line written by the restarted workers.
+
+    Lines the old workers were still writing when the kill landed must not count: torchrun starts
+    new workers only after a new rendezvous round, which every agent joins only after stopping its
+    old workers; so once the victim has new worker pids, every later metrics line is the new
+    workers'."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+        last_step = lines[-1]["step"] if lines else 0
+        if last_step > interval and last_step % interval:
+            break
+        if any(code is not None for code in job.poll().values()):
+            raise CheckError("the run ended before a checkpoint was written: "
+                             + (job.failure({r: c or 0 for r, c in job.poll().items()}) or "no metrics"))
+        if time.monotonic() > deadline:
+            raise CheckError(f"no step after the first checkpoint within {RUN_TIMEOUT_S} s")
+        time.sleep(POLL_S)
+    killed_pids = job.kill_workers(victim)
+    killed = time.monotonic()
+    _log(f"recovery: killed the workers on node {victim} (pids {sorted(killed_pids)}) after step {last_step}")
+    lines_before_restart: int | None = None
+    restart_s = None
+    while time.monotonic() - killed < RECOVERY_TIMEOUT_S:
+        if lines_before_restart is None:
+            if job.worker_pids(victim) - killed_pids:
+                restart_s = time.monotonic() - killed
+                lines_before_restart = len(step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics)))
+        else:
+            lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+            if len(lines) > lines_before_restart:
+                return {"victim_node": victim, "killed_after_step": last_step,
+                        "resumed_at_step": lines[lines_before_restart]["step"],
+                        "workers_restarted_after_s": round(restart_s, 2),
+                        "recovery_time_s": round(time.monotonic() - killed, 2),
+                        "checkpoint_interval": interval, "poll_interval_s": POLL_S}
+        if all(code is not None for code in job.poll().values()):
+            raise CheckError("the job exited after the kill instead of restarting: "
+                             + (job.failure({r: c or 0 for r, c in job.poll().items()}) or "no error"))
+        time.sleep(POLL_S)
+    raise CheckError(f"training did not continue within {RECOVERY_TIMEOUT_S} s of the kill")
+

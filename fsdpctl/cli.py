@@ -1,0 +1,202 @@
+"""fsdpctl: the operator CLI over one cluster spec and one state directory per cluster.
+
+This module is the parser and the dispatch, nothing else, and nothing imports it (but `__main__`).
+Each sub-command's handler lives in the module of its stage and is imported only when it runs, so
+`fsdpctl plan` does not pay for Ansible and `fsdpctl configure` does not pay for pulumi_aws.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import os
+import re
+import sys
+from pathlib import Path
+
+from fsdpctl import __version__
+from fsdpctl.console import error, say
+from fsdpctl.errors import EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, CommandError
+from infra.spec import SpecError
+
+# sub-command -> "module:function"; each function takes the parsed arguments and returns an exit code.
+HANDLERS = {
+    "plan": "fsdpctl.plan:cmd_plan",
+    "preflight": "fsdpctl.targets.aws.preflight:cmd_preflight",
+    "up": "fsdpctl.lifecycle:cmd_up",
+    "configure": "fsdpctl.configure:cmd_configure",
+    "inventory": "fsdpctl.inventory:cmd_inventory",
+    "ssh": "fsdpctl.remote:cmd_ssh",
+    "deploy": "fsdpctl.deploy:cmd_deploy",
+    "smoke": "fsdpctl.checks.smoke:cmd_smoke",
+    "scale-test": "fsdpctl.checks.scaling:cmd_scale_test",
+    "status": "fsdpctl.lifecycle:cmd_status",
+    "list": "fsdpctl.lifecycle:cmd_list",
+    "down": "fsdpctl.lifecycle:cmd_down",
+    "exclude": "fsdpctl.lifecycle:cmd_exclude",
+    "replace": "fsdpctl.lifecycle:cmd_replace",
+    "demo": "fsdpctl.cli:cmd_demo",
+    "completion": "fsdpctl.cli:cmd_completion",
+}
+TARGETS = ("aws", "local")
+SHELLS = ("bash", "zsh", "tcsh")
+_INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped command or choice."""
+
+    def error(self, message: str):  # type: ignore[override]
+        match = _INVALID_CHOICE.search(message)
+        if match:
+            choices = re.findall(r"'([^']*)'", match.group(2))
+            near = difflib.get_close_matches(match.group(1), choices, n=1, cutoff=0.5)
+            if near:
+                message += f"; did you mean {near[0]!r}?"
+        super().error(message)
+
+
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:<4} {meaning}" for code, meaning in EXIT_CODES.items())
+    return (f"exit status:\n{codes}\n\nFSDPCTL_HOME (default ~/.fsdpctl) holds every cluster's state and "
+            "reports. Shell completion: `fsdpctl completion bash` (docs/commands.md).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="fsdpctl", description=__doc__.splitlines()[0], epilog=_epilog(),
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"fsdpctl {__version__}",
+                   help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+
+    def cmd(name: str, help_text: str, cluster: bool = True) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=_epilog(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        if cluster:
+            sp.add_argument("--cluster", metavar="NAME",
+                            help="the cluster to act on (default: the one brought up last; `fsdpctl list`)")
+        return sp
+
+    def spec_argument(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("spec", type=Path, metavar="SPEC",
+                        help="the cluster spec YAML (docs/cluster-spec.md)")
+
+    def yes_argument(sp: argparse.ArgumentParser, what: str) -> None:
+        sp.add_argument("--yes", "-y", action="store_true",
+                        help=f"{what} without asking (needed when there is no terminal to ask on)")
+
+    sp = cmd("plan", "Show what `pulumi up` would create, and its cost, without AWS or the pulumi CLI.",
+             cluster=False)
+    spec_argument(sp)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--prices", type=Path, metavar="FILE",
+                    help="YAML price table merged over the built-in one (infra/data/prices.yaml)")
+
+    sp = cmd("preflight", "Check quotas, offerings, AMI, key pair, subnets and reservations with real "
+             "credentials, before anything is created.", cluster=False)
+    spec_argument(sp)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = cmd("up", "Create the cluster (AWS through Pulumi, or local nodes) and write its inventory.",
+             cluster=False)
+    spec_argument(sp)
+    sp.add_argument("--target", choices=TARGETS, default="aws",
+                    help="where the nodes come from: aws (Pulumi) or local (systemd-nspawn nodes here)")
+    sp.add_argument("--nodes", type=int, metavar="N",
+                    help="local target: number of nodes (overrides node_count)")
+    yes_argument(sp, "create or update the AWS resources")
+
+    sp = cmd("configure", "Configure every node with ansible/site.yml through ansible-runner.")
+    sp.add_argument("--tags", help="comma-separated Ansible tags to run (e.g. network,nccl)")
+    sp.add_argument("--limit", metavar="PATTERN", help="Ansible host pattern to limit the run to")
+    sp.add_argument("--extra-vars", "-e", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra Ansible variable (repeatable)")
+
+    sp = cmd("inventory", "Print the cluster's Ansible inventory (usable with ansible-playbook -i).")
+    sp.add_argument("--format", choices=["ini", "json"], default="ini", help="inventory format")
+
+    sp = cmd("ssh", "Run a command on the node with this rank: fsdpctl ssh RANK -- CMD")
+    sp.add_argument("rank", type=int, metavar="RANK", help="the node's rank (`fsdpctl status` lists them)")
+    sp.add_argument("remote_command", nargs=argparse.REMAINDER, metavar="CMD",
+                    help="the command to run (none: an interactive shell)")
+
+    cmd("deploy", "Build the trainer wheel and wheelhouse and install them on every node (offline).")
+
+    sp = cmd("smoke", "Run the acceptance checks on every node and write report.json / report.html.")
+    sp.add_argument("--skip", action="append", default=[], metavar="CHECK",
+                    help="check to skip: inventory, bandwidth, fsdp or recovery (repeatable)")
+    sp.add_argument("--steps", type=int, help="training steps for the FSDP run check")
+
+    sp = cmd("scale-test", "Strong- and weak-scaling runs over 1..N nodes, with plots.")
+    sp.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+
+    sp = cmd("status", "Show the cluster's target, nodes, health, expiry and last results.")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = cmd("list", "List every cluster: target, nodes, age, expiry and cost per hour.", cluster=False)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = cmd("down", "Tear the cluster down and sweep for leftovers; its reports are kept.")
+    sp.add_argument("--force", action="store_true", help="aws: also delete leftovers the sweep finds")
+    yes_argument(sp, "destroy the cluster")
+
+    sp = cmd("exclude", "Record a bad node in the cluster's blacklist (left out of every later stage).")
+    sp.add_argument("rank", type=int, metavar="RANK", help="the node's rank")
+    sp.add_argument("--reason", required=True, help="why, e.g. 'ECC errors' (kept in the state)")
+
+    sp = cmd("replace", "Replace a node with a new one of the same rank, then configure and deploy to it.")
+    sp.add_argument("rank", type=int, metavar="RANK", help="the node's rank")
+    yes_argument(sp, "destroy the old node")
+
+    sp = cmd("demo", "The main job on the local target: up -> configure -> deploy -> smoke -> down.",
+             cluster=False)
+    sp.add_argument("spec", type=Path, nargs="?", default=Path("examples/local.yaml"), metavar="SPEC",
+                    help="the cluster spec (default examples/local.yaml)")
+    sp.add_argument("--nodes", type=int, default=2, help="number of local nodes (default 2)")
+    sp.add_argument("--keep", action="store_true", help="leave the cluster up afterwards")
+    sp.add_argument("--smoke-steps", type=int, help="training steps for the smoke test's FSDP run")
+
+    sp = cmd("completion", "Print a shell completion script: fsdpctl completion bash > "
+             "/etc/bash_completion.d/fsdpctl", cluster=False)
+    sp.add_argument("shell", choices=SHELLS, help="the shell to complete in")
+    return p
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from fsdpctl.demo import run_demo
+
+    return run_demo(args, main)
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    try:
+        import shtab
+    except ImportError:
+        raise CommandError("shell completion needs the shtab package: pip install shtab") from None
+    say(shtab.complete(build_parser(), shell=args.shell).rstrip("\n"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = HANDLERS[args.command].split(":")
+    handler = getattr(importlib.import_module(module_name), func_name)
+    try:
+        code = int(handler(args) or 0)
+        sys.stdout.flush()
+        return code
+    except SpecError as e:
+        error(f"fsdpctl {args.command}: {e}")
+        return EXIT_USAGE
+    except CommandError as e:
+        error(f"fsdpctl {args.command}: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        error(f"fsdpctl {args.command}: interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout went away (`| head`): stop quietly, and keep the interpreter's final
+        # flush from failing on the same pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

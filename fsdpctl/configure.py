@@ -1,0 +1,286 @@
+"""`fsdpctl configure`: run ansible/site.yml on the cluster's nodes through ansible-runner.
+
+Each run gets a private data dir (`reports/<cluster>/<time>-configure/` under the fsdpctl home) that holds
+Ansible's home, temp files and SSH control sockets, so nothing is written under ~/.ansible. Progress is
+one line per task result; the end is a per-host recap and, on failure, which host failed which task
+and why. Ctrl-C or SIGTERM cancels the run cleanly (ansible-runner's cancel_callback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from argparse import Namespace
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdpctl import state as state_mod
+from fsdpctl.checkout import ANSIBLE_DIR
+from fsdpctl.console import Out, line_buffered, say
+from fsdpctl.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from fsdpctl.inventory import write_inventory
+from fsdpctl.remote import close_control_masters, cluster_nodes
+from fsdpctl.state import ClusterState, ConfigureRecord
+
+PLAYBOOK = "site.yml"
+# Unix socket paths are limited to 107 bytes: Ansible appends "/<10-char hash>" to the directory, and
+# ssh a ".<16 random chars>" suffix while it creates the socket.
+MAX_CONTROL_DIR_LEN = 107 - 11 - 17
+DEFAULT_SKIP_REASON = "Conditional result was False"  # says nothing; other reasons are shown
+
+
+@dataclass
+class HostStats:
+    ok: int = 0  # as in Ansible's recap: includes the changed ones
+    changed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unreachable: int = 0
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    host: str
+    role: str
+    task: str
+    status: str  # ok | changed | skipped | failed | unreachable | ignored
+
+
+@dataclass(frozen=True)
+class TaskFailure:
+    host: str
+    task: str
+    message: str
+
+
+@dataclass
+class ConfigureResult:
+    status: str  # ansible-runner's: successful | failed | canceled | timeout
+    rc: int
+    run_dir: Path
+    hosts: dict[str, HostStats] = field(default_factory=dict)
+    failures: list[TaskFailure] = field(default_factory=list)
+    results: list[TaskResult] = field(default_factory=list)
+    output_tail: str = ""  # the end of Ansible's own output, for errors outside any task
+
+    @property
+    def ok(self) -> bool:
+        failed = any(s.failed or s.unreachable for s in self.hosts.values())
+        return self.status == "successful" and bool(self.hosts) and not failed
+
+    @property
+    def canceled(self) -> bool:
+        return self.status == "canceled"
+
+
+def parse_extra_vars(pairs: list[str]) -> dict[str, Any]:
+    """`-e key=value` pairs; values are read as YAML scalars, so 9000 is an int and true a bool."""
+    extra = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"-e {pair!r} is not KEY=VALUE; write e.g. -e fsdp_mtu=9000")
+        extra[key.strip()] = yaml.safe_load(value) if value else ""
+    return extra
+
+
+def _failure_message(res: dict[str, Any]) -> str:
+    parts = [str(res[k]).strip() for k in ("msg", "stderr", "stdout") if res.get(k)]
+    if not parts and "rc" in res:
+        parts.append(f"exit status {res['rc']}")
+    message = " | ".join(parts) or "no message"
+    return message if len(message) <= 600 else message[:600] + " ..."
+
+
+def _result_from_display(text: str) -> dict[str, Any]:
+    """The result dict shown after `=>` in Ansible's display of an event; ansible-runner leaves `res`
+    out of skipped events, and that is where a role's skip reason is."""
+    _, sep, shown = text.replace("\r\n", "\n").partition("=>")
+    if not sep:
+        return {}
+    try:
+        parsed = yaml.safe_load(shown)
+    except yaml.YAMLError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+class _EventPrinter:
+    """ansible-runner event handler: one line per task result, plus the record for the result."""
+
+    STATUS = {"runner_on_ok": "ok", "runner_on_failed": "failed", "runner_on_skipped": "skipped",
+              "runner_on_unreachable": "unreachable"}
+
+    def __init__(self, out: Callable[[str], None]):
+        self.out = out
+        self.results: list[TaskResult] = []
+        self.failures: list[TaskFailure] = []
+        self.width = 20
+
+    def __call__(self, event: dict[str, Any]) -> bool:
+        status = self.STATUS.get(event.get("event", ""))
+        if status is None:
+            return True
+        data = event.get("event_data", {})
+        res = data.get("res") or _result_from_display(event.get("stdout", ""))
+        host, task, role = data.get("host", "?"), data.get("task", "?"), data.get("role") or ""
+        if status == "ok" and res.get("changed"):
+            status = "changed"
+        if status == "failed" and data.get("ignore_errors"):
+            status = "ignored"
+        self.results.append(TaskResult(host, role, task, status))
+        label = f"{role} : {task}" if role else task
+        line = f"  {status:<11} {host:<{self.width}} {label}"
+        if status in ("failed", "unreachable"):
+            message = _failure_message(res)
+            self.failures.append(TaskFailure(host, label, message))
+            line += f"\n      {message}"
+        elif status == "skipped" and res.get("skip_reason", DEFAULT_SKIP_REASON) != DEFAULT_SKIP_REASON:
+            line += f"  ({res['skip_reason']})"
+        self.out(line)
+        return True
+
+
+@contextlib.contextmanager
+def _cancel_on_signals() -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM set an event that ansible-runner polls (and keep it from taking the signals)."""
+    stop = threading.Event()
+
+    def request_stop(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _control_dir(run_dir: Path) -> Iterator[Path]:
+    """The run's SSH control-socket dir: in the run dir, or, when that path is too long for a socket
+    (Ansible resolves symlinks, so a link would not help), a private /tmp dir removed afterwards."""
+    in_run_dir = run_dir / "cp"
+    if len(str(in_run_dir)) <= MAX_CONTROL_DIR_LEN:
+        in_run_dir.mkdir()
+        yield in_run_dir
+        return
+    short = Path(tempfile.mkdtemp(prefix="fsdpctl-cp-"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, limit: str | None = None,
+                  extra_vars: dict[str, Any] | None = None,
+                  out: Out = say) -> ConfigureResult:
+    """Run the playbook on the cluster (excluded nodes left out) and return what happened per host."""
+    import ansible_runner
+
+    playbook = ANSIBLE_DIR / PLAYBOOK
+    if not playbook.exists():
+        raise UsageError(f"{playbook} does not exist: fsdpctl configure needs the repository's ansible/ "
+                           "directory (install fsdp-cluster from a checkout: pip install -e .)")
+    inventory = write_inventory(state)
+    run_dir = state.new_run_dir("configure")
+    ansible_home = run_dir / "ansible-home"
+    printer = _EventPrinter(out)
+    printer.width = max([len(node.name) for node in cluster_nodes(state)] or [4])
+    if isinstance(tags, list):
+        tags = ",".join(tags)
+    out(f"configure: {playbook} on {state.name} (run dir {run_dir})")
+    with _control_dir(run_dir) as control_dir, _cancel_on_signals() as stop:
+        envvars = {
+            # ansible-runner starts ansible-playbook by name: the one next to this Python.
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            "ANSIBLE_CONFIG": str(ANSIBLE_DIR / "ansible.cfg"),
+            "ANSIBLE_HOME": str(ansible_home),
+            "ANSIBLE_LOCAL_TEMP": str(ansible_home / "tmp"),
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control_dir),
+            # Host keys are pinned in the cluster's known_hosts; a user's environment must not turn that off.
+            "ANSIBLE_HOST_KEY_CHECKING": "True",
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_RETRY_FILES_ENABLED": "False",
+        }
+        try:
+            runner = ansible_runner.run(
+                private_data_dir=str(run_dir), project_dir=str(ANSIBLE_DIR), playbook=PLAYBOOK,
+                inventory=str(inventory), envvars=envvars, extravars=extra_vars or None, tags=tags or None,
+                limit=limit, quiet=True, event_handler=printer, cancel_callback=stop.is_set,
+                ident="ansible")
+        finally:
+            close_control_masters(control_dir)
+    stats = runner.stats or {}
+    hosts: dict[str, HostStats] = {}
+    for key, attr in (("ok", "ok"), ("changed", "changed"), ("failures", "failed"), ("skipped", "skipped"),
+                      ("dark", "unreachable")):
+        for host, count in (stats.get(key) or {}).items():
+            setattr(hosts.setdefault(host, HostStats()), attr, count)
+    # A failure a block rescued is not in the recap's failed count; report only hosts that ended failed.
+    ended_failed = {h for h, s in hosts.items() if s.failed or s.unreachable}
+    result = ConfigureResult(status=runner.status, rc=runner.rc, run_dir=run_dir,
+                             hosts=dict(sorted(hosts.items())),
+                             failures=[f for f in printer.failures if f.host in ended_failed],
+                             results=printer.results, output_tail=_output_tail(run_dir))
+    state.update(last_configure=ConfigureRecord(
+        time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), ok=result.ok, status=result.status,
+        run_dir=str(run_dir), hosts={h: asdict(s) for h, s in result.hosts.items()},
+        failures=[asdict(f) for f in result.failures]))
+    return result
+
+
+def _output_tail(run_dir: Path, lines: int = 25) -> str:
+    stdout = run_dir / "artifacts" / "ansible" / "stdout"
+    if not stdout.exists():
+        return ""
+    return "\n".join(stdout.read_text(errors="replace").strip().splitlines()[-lines:])
+
+
+def print_summary(result: ConfigureResult, out: Out = say) -> None:
+    if not result.hosts:
+        return
+    width = max(len(h) for h in result.hosts)
+    out("\nRECAP")
+    for host, s in result.hosts.items():
+        out(f"{host:<{width}} ok={s.ok} changed={s.changed} failed={s.failed} skipped={s.skipped} "
+            f"unreachable={s.unreachable}")
+    if result.failures:
+        out("\nFAILED")
+        for failure in result.failures:
+            out(f"  {failure.host}: task [{failure.task}]: {failure.message}")
+
+
+def cmd_configure(args: Namespace) -> int:
+    line_buffered()
+    state = state_mod.resolve(args.cluster)
+    result = run_configure(state, tags=args.tags, limit=args.limit,
+                           extra_vars=parse_extra_vars(args.extra_vars))
+    print_summary(result)
+    if result.canceled:
+        say(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` again "
+            f"(log: {result.run_dir})")
+        return EXIT_INTERRUPTED
+    if not result.hosts and args.limit:
+        raise UsageError(f"configure ran on no host: --limit {args.limit!r} names none of the cluster's "
+                         "nodes (`fsdpctl status` lists them; excluded nodes are left out)")
+    if not result.ok:
+        if not result.failures:  # Ansible stopped before any task (playbook or inventory error)
+            say(f"ansible-playbook exited {result.rc} ({result.status}); its last output:\n"
+                f"{result.output_tail}")
+        say(f"configure failed; fix the cause and run `fsdpctl configure` again (it is idempotent). "
+            f"Full log: {result.run_dir / 'artifacts'}")
+        return EXIT_FAILED
+    say(f"configure ok on {len(result.hosts)} host(s)")
+    return EXIT_OK

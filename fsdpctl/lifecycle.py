@@ -1,0 +1,269 @@
+"""A cluster's life, the same for every target: `fsdpctl up`, `down`, `status`, `list`, `exclude`
+and `replace`.
+
+The target (`fsdpctl.targets`: aws or local) makes and removes nodes; this module decides what to
+ask, records the result, writes the inventory and, for `replace`, configures and deploys the new
+node. Anything that costs or destroys money asks first (`--yes` answers for scripts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import signal
+import time
+from argparse import Namespace
+from collections.abc import Iterator
+from typing import Any
+
+from fsdpctl import state as state_mod
+from fsdpctl import targets
+from fsdpctl.console import confirm, line_buffered, print_json, say, warn
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.inventory import write_inventory
+from fsdpctl.state import ClusterRecord, ClusterState, Exclusion
+from infra.spec import ClusterSpec, load_spec
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """A SIGTERM (CI timeout, `kill`) unwinds like Ctrl-C, so half-made clusters are torn down."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _differences(state: ClusterState, record: ClusterRecord, spec: ClusterSpec, node_count: int) -> list[str]:
+    """How an existing cluster differs from the one asked for (empty: it is the same)."""
+    differences = []
+    if state.spec() != spec:
+        differences.append(f"its spec ({state.spec_path}) differs from the one given")
+    if record.node_count != node_count:
+        differences.append(f"it has {record.node_count} node(s), not {node_count}")
+    return differences
+
+
+def _print_nodes(record: ClusterRecord) -> None:
+    excluded = {e.rank: e for e in record.excluded}
+    say(f"{'RANK':<5} {'NAME':<28} {'ADDRESS':<16} NOTE")
+    for node in sorted(record.nodes, key=lambda n: n.rank):
+        note = f"excluded: {excluded[node.rank].reason}" if node.rank in excluded else ""
+        say(f"{node.rank:<5} {node.name:<28} {node.address:<16} {note}".rstrip())
+
+
+def cmd_up(args: Namespace) -> int:
+    line_buffered()
+    spec = load_spec(args.spec)
+    for warning in spec.warnings():
+        warn(warning)
+    if args.target == "aws" and args.nodes is not None:
+        raise UsageError(f"--nodes applies to the local target only; on aws set node_count in {args.spec}")
+    if args.nodes is not None and args.nodes < 1:
+        raise UsageError(f"--nodes {args.nodes}: a cluster needs at least 1 node; use e.g. --nodes 2")
+    node_count = args.nodes or spec.node_count
+    target = targets.get(args.target)
+    target.check_prerequisites(f"fsdpctl up --target {target.NAME}")
+    state = state_mod.cluster_state(spec.name)
+    with state.operation("up"):
+        if state.exists():
+            record = state.read()
+            if record.target != target.NAME:
+                raise UsageError(f"cluster {spec.name} already exists on the {record.target} target; run "
+                                 f"`fsdpctl down --cluster {spec.name}` first, or give the spec another name")
+            if not target.UPDATES_IN_PLACE:
+                differences = _differences(state, record, spec, node_count)
+                if differences:
+                    raise UsageError(f"cluster {spec.name} already exists and differs: "
+                                     f"{'; '.join(differences)}. Run `fsdpctl down --cluster {spec.name}` "
+                                     "first, or give the spec another name")
+                problems = target.health(state)
+                if problems:
+                    raise UsageError(f"cluster {spec.name} already exists but is not healthy: "
+                                     f"{'; '.join(problems)}. Run `fsdpctl down --cluster {spec.name}`, "
+                                     "then `fsdpctl up` again")
+                state_mod.set_current(spec.name)
+                say(f"cluster {spec.name} is already up with {node_count} healthy node(s); nothing to do")
+                return 0
+            state.spec_path.write_text(args.spec.read_text())
+            state.update(node_count=node_count)
+            state_mod.set_current(spec.name)
+        else:
+            state = state_mod.create(args.spec, spec, target.NAME, node_count=node_count)
+        try:
+            with _sigterm_as_interrupt():
+                target.up(state, spec, node_count=node_count, out=say,
+                          approve=lambda question: confirm(question, yes=args.yes, what="fsdpctl up"))
+        except BaseException:
+            record = state.read()
+            if record.local is None and record.pulumi_stack is None:  # nothing was created
+                state.remove()
+            raise
+    path = write_inventory(state)
+    _print_nodes(state.read())
+    say(f"inventory: {path}\nnext: fsdpctl configure   (or: fsdpctl ssh 0 -- hostname)")
+    return 0
+
+
+def cmd_down(args: Namespace) -> int:
+    line_buffered()
+    state = state_mod.resolve(args.cluster)
+    record = state.read()
+    spec = state.spec()
+    target = targets.get(record.target)
+    with state.operation("down"):
+        lines = "\n".join(f"  - {line}" for line in target.destruction(state, spec))
+        say(f"fsdpctl down destroys cluster {state.name} ({record.target}):\n{lines}")
+        confirm(f"Destroy cluster {state.name}?", yes=args.yes, what="fsdpctl down")
+        target.down(state, spec, force=args.force, out=say)
+        state.remove()
+    kept = f"; its reports stay in {state.reports_dir}" if state.reports_dir.exists() else ""
+    say(f"cluster {state.name} is down; its state dir {state.root} is removed{kept}")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours < 48 else f"{hours // 24}d{hours % 24:02d}h"
+
+
+def _summary(state: ClusterState, record: ClusterRecord) -> dict[str, Any]:
+    """What `list` and `status` show of a cluster, as plain values."""
+    spec = state.spec()
+    return {"name": state.name, "target": record.target, "instance_type": spec.instance_type,
+            "nodes": len(record.nodes), "excluded": sorted(record.excluded_ranks()),
+            "created_at": dt.datetime.fromtimestamp(record.created_at, dt.UTC).isoformat(timespec="seconds"),
+            "age": _age(time.time() - record.created_at), "expires_at": record.expires_at,
+            "cost_per_hour": 0.0 if record.target == "local" else record.cost_per_hour}
+
+
+def cmd_status(args: Namespace) -> int:
+    state = state_mod.resolve(args.cluster)
+    record = state.read()
+    summary = _summary(state, record)
+    problems = targets.get(record.target).health(state) if record.nodes else ["no nodes yet"]
+    summary.update(state_dir=str(state.root), shared_dir=record.shared_dir, health=problems or "ok",
+                   node_list=[{**n.model_dump(), "excluded": n.rank in record.excluded_ranks()}
+                              for n in record.nodes],
+                   last_configure=record.last_configure.model_dump() if record.last_configure else None,
+                   last_report=record.last_report, reports_dir=str(state.reports_dir))
+    if args.json:
+        print_json(summary)
+        return 0
+    say(f"cluster {state.name}: target {record.target}, {len(record.nodes)} node(s), created "
+        f"{summary['age']} ago, state {state.root}")
+    if record.expires_at:
+        say(f"expires at {record.expires_at}")
+    if summary["cost_per_hour"]:
+        say(f"cost: about {summary['cost_per_hour']:,.2f} USD per hour (the plan's known prices)")
+    if record.shared_dir:
+        say(f"shared dir on every node: {record.shared_dir}")
+    _print_nodes(record)
+    say("health: " + ("every node answers over SSH" if not problems else "; ".join(problems)))
+    last = record.last_configure
+    if last:
+        say(f"last configure: {'ok' if last.ok else 'FAILED'} at {last.time} ({last.run_dir})")
+        for host, counts in last.hosts.items():
+            say("  " + host + " " + " ".join(f"{k}={v}" for k, v in counts.model_dump().items()))
+    if record.last_report:
+        say(f"last smoke report: {record.last_report}/report.html")
+    return 0
+
+
+def cmd_list(args: Namespace) -> int:
+    current = (state_mod.home() / "current")
+    current_name = current.read_text().strip() if current.exists() else None
+    rows = []
+    for state in state_mod.known_clusters():
+        try:
+            rows.append({**_summary(state, state.read()), "current": state.name == current_name})
+        except (UsageError, OSError) as e:  # a broken cluster is listed, not a reason to fail the list
+            rows.append({"name": state.name, "error": str(e), "current": state.name == current_name})
+    if args.json:
+        print_json(rows)
+        return 0
+    if not rows:
+        say(f"no clusters under {state_mod.home()}; create one with `fsdpctl up SPEC.yaml`")
+        return 0
+    say(f"  {'NAME':<20} {'TARGET':<6} {'NODES':>5} {'AGE':>7} {'EXPIRES (UTC)':<20} {'USD/HOUR':>9}")
+    for row in rows:
+        mark = "*" if row["current"] else " "
+        if "error" in row:
+            say(f"{mark} {row['name']:<20} {row['error']}")
+            continue
+        cost = "-" if row["cost_per_hour"] is None else f"{row['cost_per_hour']:,.2f}"
+        say(f"{mark} {row['name']:<20} {row['target']:<6} {row['nodes']:>5} {row['age']:>7} "
+            f"{row['expires_at'] or '-':<20} {cost:>9}")
+    return 0
+
+
+def cmd_exclude(args: Namespace) -> int:
+    state = state_mod.resolve(args.cluster)
+    record = state.read()
+    ranks = [n.rank for n in record.nodes]
+    if args.rank not in ranks:
+        raise UsageError(f"cluster {state.name} has no node with rank {args.rank} (ranks: "
+                         f"{', '.join(map(str, ranks)) or 'none'})")
+    reason = args.reason.strip()
+    if not reason:
+        raise UsageError("--reason is empty; say why the node is excluded, e.g. --reason 'ECC errors'")
+    entry = Exclusion(rank=args.rank, reason=reason,
+                      time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
+    excluded = [e for e in record.excluded if e.rank != args.rank] + [entry]
+    state.update(excluded=sorted(excluded, key=lambda e: e.rank))
+    say(f"excluded rank {args.rank} from cluster {state.name}: {reason}")
+    if len(excluded) < len(ranks):
+        say(f"inventory rewritten without it: {write_inventory(state)}")
+    else:
+        state.inventory_path.unlink(missing_ok=True)  # a stale inventory would still list the node
+        say("every node is now excluded; later stages have nothing to run on")
+    return 0
+
+
+def cmd_replace(args: Namespace) -> int:
+    """A new node in place of rank N (same rank and name), configured and, when the trainer was
+    deployed, deployed to."""
+    line_buffered()
+    state = state_mod.resolve(args.cluster)
+    record = state.read()
+    nodes = {n.rank: n for n in record.nodes}
+    if args.rank not in nodes:
+        raise UsageError(f"cluster {state.name} has no node with rank {args.rank} "
+                         f"(ranks: {', '.join(map(str, sorted(nodes))) or 'none'}); see `fsdpctl status`")
+    target, spec, node = targets.get(record.target), state.spec(), nodes[args.rank]
+    with state.operation(f"replace {args.rank}"):
+        say(f"fsdpctl replace {args.rank}: {target.node_destruction(state, args.rank)}; a new "
+            f"{node.name} takes its place")
+        confirm(f"Replace {node.name}?", yes=args.yes, what="fsdpctl replace")
+        started = time.monotonic()
+        target.replace_node(state, spec, args.rank, out=say)
+
+    from fsdpctl.configure import print_summary, run_configure
+    from fsdpctl.deploy import DeployError, deploy
+
+    # The blacklist entry was about the old node; the new one must be in the inventory to be
+    # configured and deployed.
+    record = state.update(excluded=[e for e in state.read().excluded if e.rank != args.rank])
+    write_inventory(state)
+    configured = run_configure(state, limit=node.name)
+    if not configured.ok:
+        print_summary(configured)
+        raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "
+                           f"{configured.run_dir}). Fix it, then run `fsdpctl configure --limit "
+                           f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
+    if record.deploy is not None:
+        try:
+            deploy(state, ranks=[args.rank])
+        except DeployError as e:
+            raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
+                               "run `fsdpctl deploy`.") from None
+    say(f"{node.name} replaced and configured" + (", and the trainer deployed" if record.deploy else "")
+        + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")
+    return 0

@@ -1,0 +1,46 @@
+"""`fsdpctl plan SPEC.yaml`: what `pulumi up` would create, and what it would cost, offline.
+
+The real Pulumi program runs under Pulumi's mocks (`infra.offline`); `cost` prices the recorded
+resources, `render` prints them grouped by component.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdpctl.console import error, say
+from fsdpctl.errors import UsageError
+from fsdpctl.plan.cost import CostEstimate, CostLine, estimate_cost, load_prices
+from fsdpctl.plan.render import describe, render_json, render_summary, render_text
+from infra.spec import load_spec
+
+__all__ = ["CostEstimate", "CostLine", "cmd_plan", "describe", "estimate_cost", "load_prices",
+           "render_json", "render_summary", "render_text"]
+
+
+def _require_pulumi() -> None:
+    try:
+        import pulumi  # noqa: F401
+        import pulumi_aws  # noqa: F401
+    except ImportError as e:
+        raise UsageError(
+            f"fsdpctl plan runs the Pulumi program offline and needs the Python packages pulumi and "
+            f"pulumi-aws ({e}). Install them with: pip install -e '.[aws]' (or `make plan`)."
+        ) from None
+
+
+def cmd_plan(args: Any) -> int:
+    # Validation first: a bad spec raises SpecError (exit 2, every problem listed) before the
+    # program registers anything.
+    spec = load_spec(args.spec)
+    prices = load_prices(args.prices)
+    _require_pulumi()
+    from infra.offline import run_offline
+    from infra.program import expiry_time
+
+    if not args.json:
+        error(f"Running the Pulumi program for {args.spec} offline (Pulumi mocks; no AWS calls)...")
+    plan = run_offline(spec, expiry_time(spec))
+    cost = estimate_cost(plan, prices)
+    say(render_json(plan, cost) if args.json else render_text(plan, cost))
+    return 0

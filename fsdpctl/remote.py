@@ -1,0 +1,191 @@
+"""Commands on cluster nodes over SSH, for both targets, from the `nodes` and `ssh` entries of state.
+
+Every stage after `up` (configure, deploy, smoke, scale-test) reaches nodes through these helpers, so
+there is one place that knows the key, the known_hosts file and the bastion hop.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tarfile
+from argparse import Namespace
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from fsdpctl import state as state_mod
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.state import ClusterState, Node, SshSettings
+
+TIMEOUT_RC = 124  # what coreutils `timeout` returns; a timed-out command reports it too
+
+
+class RemoteCommandFailed(CommandError):
+    def __init__(self, node: Node, command: str, result: subprocess.CompletedProcess):
+        self.node, self.command, self.result = node, command, result
+        output = (result.stderr or result.stdout or "").strip()[-1500:]
+        super().__init__(f"{node.name} ({node.address}): `{command}` exited {result.returncode}"
+                         + (f": {output}" if output else ""))
+
+
+def cluster_nodes(state: ClusterState, *, include_excluded: bool = False) -> list[Node]:
+    """The cluster's nodes ordered by rank; nodes excluded with `fsdpctl exclude` are left out."""
+    record = state.read()
+    return sorted(record.nodes, key=lambda n: n.rank) if include_excluded else record.active_nodes()
+
+
+def node_by_rank(state: ClusterState, rank: int) -> Node:
+    nodes = cluster_nodes(state, include_excluded=True)
+    for node in nodes:
+        if node.rank == rank:
+            return node
+    ranks = ", ".join(str(n.rank) for n in nodes) or "none (is the cluster up?)"
+    raise UsageError(f"cluster {state.name} has no node with rank {rank}; ranks: {ranks}")
+
+
+def ssh_options(ssh: SshSettings) -> list[str]:
+    """ssh(1) options for the cluster, bastion hop included, as one list for ssh, scp and Ansible.
+
+    StrictHostKeyChecking=accept-new: local nodes' keys are written to known_hosts before they boot,
+    so a changed key is refused; AWS nodes' keys are learnt on first contact and pinned from then on.
+    """
+    options = [
+        "-o", "IdentitiesOnly=yes", "-i", ssh.key_file,
+        "-o", f"UserKnownHostsFile={ssh.known_hosts}",
+        "-o", "StrictHostKeyChecking=accept-new",
+        "-o", "BatchMode=yes",
+        "-o", "ConnectTimeout=15",
+        "-o", "ServerAliveInterval=15", "-o", "ServerAliveCountMax=4",
+        "-o", "LogLevel=ERROR",
+    ]
+    if ssh.proxy_jump:
+        # An explicit ProxyCommand, because ProxyJump does not hand -i/-o options to the jump hop.
+        hop = ["ssh", *options, "-W", "%h:%p", ssh.proxy_jump]
+        options += ["-o", f"ProxyCommand={shlex.join(hop)}"]
+    return options
+
+
+def _ssh_settings(state: ClusterState) -> SshSettings:
+    ssh = state.read().ssh
+    if not ssh:
+        raise CommandError(f"cluster {state.name} has no SSH settings in {state.state_path}: `fsdpctl up` "
+                           "did not finish; run it again, or `fsdpctl down` to clean up")
+    return ssh
+
+
+def ssh_argv(state: ClusterState, node: Node, command: str) -> list[str]:
+    ssh = _ssh_settings(state)
+    return ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address, command]
+
+
+def _run_on(state: ClusterState, node: Node, command: str, timeout: float | None,
+            check: bool) -> subprocess.CompletedProcess:
+    argv = ssh_argv(state, node, command)
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                                stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        def text(v: str | bytes | None) -> str:
+            return v.decode(errors="replace") if isinstance(v, bytes) else (v or "")
+        result = subprocess.CompletedProcess(argv, TIMEOUT_RC, text(e.stdout),
+                                             text(e.stderr) + f"\ntimed out after {timeout} s")
+    if check and result.returncode:
+        raise RemoteCommandFailed(node, command, result)
+    return result
+
+
+def run(state: ClusterState, rank: int, command: str, *, timeout: float | None = None,
+        check: bool = True) -> subprocess.CompletedProcess:
+    """Run a shell command on one node; output captured as text. A timeout returns exit 124."""
+    return _run_on(state, node_by_rank(state, rank), command, timeout, check)
+
+
+def run_all(state: ClusterState, command: str, *, ranks: list[int] | None = None,
+            timeout: float | None = None, check: bool = True,
+            on_result: Callable[[int, subprocess.CompletedProcess], None] | None = None,
+            ) -> dict[int, subprocess.CompletedProcess]:
+    """Run a command on every (non-excluded) node, or on the given ranks, in parallel; results by rank.
+
+    `on_result(rank, result)` is called as each node finishes (progress for long commands). With
+    check=True every node still runs to completion; then the first failure (lowest rank) is raised.
+    """
+    nodes = cluster_nodes(state) if ranks is None else [node_by_rank(state, r) for r in ranks]
+    if not nodes:
+        raise UsageError(f"cluster {state.name} has no nodes to run on (all excluded, or not up)")
+    results: dict[int, subprocess.CompletedProcess] = {}
+    with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        futures = {pool.submit(_run_on, state, n, command, timeout, False): n.rank for n in nodes}
+        for future in as_completed(futures):
+            results[futures[future]] = future.result()
+            if on_result is not None:
+                on_result(futures[future], results[futures[future]])
+    if check:
+        for node in nodes:
+            if results[node.rank].returncode:
+                raise RemoteCommandFailed(node, command, results[node.rank])
+    return results
+
+
+def popen(state: ClusterState, rank: int, command: str, **popen_kwargs: Any) -> subprocess.Popen:
+    """Start a command on a node and return at once (long runs: training, benchmarks)."""
+    return subprocess.Popen(ssh_argv(state, node_by_rank(state, rank), command), **popen_kwargs)
+
+
+def copy_to(state: ClusterState, rank: int, local_path: str | Path, remote_path: str) -> None:
+    """Copy a file or a directory tree to `remote_path` on a node (created, parents included).
+
+    Streams a tar archive over the SSH connection, so it needs nothing but tar on the node.
+    """
+    local_path = Path(local_path)
+    if not local_path.exists():
+        raise CommandError(f"cannot copy {local_path} to node rank {rank}: it does not exist")
+    node = node_by_rank(state, rank)
+    target = shlex.quote(remote_path)
+    if local_path.is_dir():
+        command = f"mkdir -p {target} && tar -x -f - -C {target} --no-same-owner"
+    else:
+        command = (f"mkdir -p \"$(dirname {target})\" && tmp=$(mktemp {target}.XXXXXX) && "
+                   f"tar -x -O -f - > \"$tmp\" && chmod {local_path.stat().st_mode & 0o7777:o} \"$tmp\" && "
+                   f"mv \"$tmp\" {target}")
+    proc = subprocess.Popen(ssh_argv(state, node, command), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None
+    try:
+        with tarfile.open(fileobj=proc.stdin, mode="w|") as archive:
+            if local_path.is_dir():
+                archive.add(local_path, arcname=".")
+            else:
+                archive.add(local_path, arcname=local_path.name)
+    except BrokenPipeError:
+        pass  # the remote side failed early; its exit status and stderr say why
+    stdout, stderr = proc.communicate()
+    if proc.returncode:
+        raise RemoteCommandFailed(node, f"copy {local_path} -> {remote_path}", subprocess.CompletedProcess(
+            proc.args, proc.returncode, stdout.decode(errors="replace"), stderr.decode(errors="replace")))
+
+
+def close_control_masters(control_dir: Path) -> None:
+    """Stop the ControlPersist ssh masters Ansible left in a directory (they outlive the run)."""
+    if not control_dir.is_dir():
+        return
+    for socket_path in control_dir.iterdir():
+        subprocess.run(["ssh", "-o", f"ControlPath={socket_path}", "-O", "exit", "fsdp-node"],
+                       capture_output=True, timeout=15)
+
+
+def cmd_ssh(args: Namespace) -> int:
+    """`fsdpctl ssh RANK -- CMD`: run CMD on the node (no CMD: an interactive shell)."""
+    state = state_mod.resolve(args.cluster)
+    words = list(args.remote_command)
+    if words and words[0] == "--":
+        words = words[1:]
+    node = node_by_rank(state, args.rank)
+    argv = ssh_argv(state, node, " ".join(words))
+    if not words:  # an interactive login: no command, and a terminal when we have one
+        argv = [argv[0], *(["-t"] if sys.stdin.isatty() else []), *argv[1:-1]]
+    sys.stdout.flush()
+    return subprocess.call(argv, env=os.environ)

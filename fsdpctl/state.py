@@ -1,0 +1,364 @@
+"""One state directory per cluster, and the typed record every command reads and writes.
+
+Layout under `$FSDPCTL_HOME` (default `~/.fsdpctl`):
+
+    current                          name of the cluster commands act on without --cluster
+    clusters/<name>/spec.yaml        the spec the cluster was brought up from (as given)
+    clusters/<name>/state.json       the `ClusterRecord` below (schema_version, target, nodes, ...)
+    clusters/<name>/inventory.ini    the Ansible inventory (`fsdpctl inventory`)
+    clusters/<name>/keys/            SSH keys for the cluster
+    locks/<name>.lock                held by up/down/replace while they run
+    reports/<name>/<time>-<kind>/    one directory per run (configure, smoke, scale-test): logs,
+                                     report.json, report.html; kept after `fsdpctl down`
+
+state.json is written atomically (a temporary file renamed over it) under an exclusive lock held for
+the whole read-modify-write, so two commands on one cluster never lose each other's fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from fsdpctl.errors import StateError, UsageError
+from infra.spec import ClusterSpec, load_spec
+
+SCHEMA_VERSION = 1
+"""The layout of state.json this fsdpctl writes; a newer one is refused, not misread."""
+
+Target = Literal["aws", "local"]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class Node(_Record):
+    """One node of the cluster, as every stage after `up` reaches it."""
+
+    rank: int
+    """Position in the cluster (0 .. node_count-1); torchrun's node rank and the Ansible `node_rank`."""
+    name: str
+    """Host name, `<cluster>-node<rank>`."""
+    address: str
+    """The address fsdpctl and the other nodes reach it at (a private IP on AWS)."""
+    instance_id: str | None = None
+    """The EC2 instance id (aws target only)."""
+
+
+class SshSettings(_Record):
+    user: str
+    """Login user on the nodes."""
+    key_file: str
+    """Private key fsdpctl connects with."""
+    known_hosts: str
+    """The cluster's own known_hosts file; host keys are pinned there."""
+    proxy_jump: str | None = None
+    """`user@bastion` when the nodes are reached through a bastion."""
+
+
+class Exclusion(_Record):
+    rank: int
+    reason: str
+    time: str
+    """When it was excluded (ISO 8601 UTC)."""
+
+
+class HostRecap(_Record):
+    ok: int = 0
+    changed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unreachable: int = 0
+
+
+class ConfigureRecord(_Record):
+    """The outcome of the last `fsdpctl configure`."""
+
+    time: str
+    ok: bool
+    status: str
+    """ansible-runner's status: successful, failed, canceled or timeout."""
+    run_dir: str
+    hosts: dict[str, HostRecap] = {}
+    failures: list[dict[str, str]] = []
+
+
+class DeployRecord(_Record):
+    """What `fsdpctl deploy` installed, and where."""
+
+    bundle: str
+    venv: str
+    """The venv on every node that holds the trainer."""
+    wheelhouse_dir: str
+    trainer_dir: str
+    ranks: list[int]
+    torch: str
+    includes_torch: bool
+    python: str
+    deployed_at: float
+
+
+class LocalNode(_Record):
+    """A local node: a systemd-nspawn container booted from an overlay on the shared image."""
+
+    rank: int
+    name: str
+    address: str
+    machine: str
+    """systemd-nspawn machine name, unique on the host."""
+    veth: str
+    """Host end of the node's eth0."""
+    dir: str
+    """upper/, work/, merged/ (the node's root), nspawn.log, nspawn.pid."""
+    machine_id: str
+    """Also the container_uuid in the environment of the node's init."""
+
+    @property
+    def container_uuid(self) -> str:
+        return str(uuid.UUID(self.machine_id))
+
+    @property
+    def root(self) -> Path:
+        return Path(self.dir) / "merged"
+
+
+class LocalRecord(_Record):
+    """Everything the local target creates, recorded before it is created so `down` can always
+    remove it, even after a SIGKILLed `up`."""
+
+    subnet: str
+    bridge: str
+    bridge_address: str
+    gateway: str
+    """A bridge address nobody answers: the nodes' default route leads nowhere."""
+    rootfs: str
+    shared_host_dir: str
+    nodes: list[LocalNode]
+
+
+class ClusterRecord(_Record):
+    """state.json: what fsdpctl knows of one cluster."""
+
+    schema_version: int = SCHEMA_VERSION
+    name: str
+    target: Target
+    created_at: float
+    updated_at: float = 0.0
+    node_count: int | None = None
+    """Nodes asked for (the local target's --nodes, or the spec's node_count)."""
+    nodes: list[Node] = []
+    ssh: SshSettings | None = None
+    shared_dir: str | None = None
+    """A file system mounted at this path on every node (FSx, or /shared on local nodes)."""
+    pulumi_stack: str | None = None
+    """Set once `pulumi up` may have created something: from then on `down` runs `pulumi destroy`."""
+    stack_outputs: dict[str, Any] = {}
+    expires_at: str | None = None
+    """When the AWS-side expiry removes the cluster's billed resources (ISO 8601 UTC)."""
+    cost_per_hour: float | None = None
+    """The plan's estimate at `up` (known prices only), for `fsdpctl list`."""
+    excluded: list[Exclusion] = []
+    last_configure: ConfigureRecord | None = None
+    last_report: str | None = None
+    """The directory of the last smoke report."""
+    deploy: DeployRecord | None = None
+    local: LocalRecord | None = None
+
+    def excluded_ranks(self) -> set[int]:
+        return {entry.rank for entry in self.excluded}
+
+    def active_nodes(self) -> list[Node]:
+        """Nodes by rank, without those excluded with `fsdpctl exclude`."""
+        skip = self.excluded_ranks()
+        return [n for n in sorted(self.nodes, key=lambda n: n.rank) if n.rank not in skip]
+
+
+def home() -> Path:
+    return Path(os.environ.get("FSDPCTL_HOME") or Path.home() / ".fsdpctl")
+
+
+def reports_dir(cluster: str) -> Path:
+    """Where a cluster's run logs and reports are kept (they outlive the cluster)."""
+    return home() / "reports" / cluster
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """A cluster's state directory; `read()` gives its record, `update()` changes it safely."""
+
+    name: str
+    root: Path
+
+    @property
+    def spec_path(self) -> Path:
+        return self.root / "spec.yaml"
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def inventory_path(self) -> Path:
+        return self.root / "inventory.ini"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.root / "keys"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.root / "known_hosts"
+
+    @property
+    def reports_dir(self) -> Path:
+        return reports_dir(self.name)
+
+    def exists(self) -> bool:
+        return self.state_path.exists()
+
+    def spec(self) -> ClusterSpec:
+        return load_spec(self.spec_path)
+
+    def read(self) -> ClusterRecord:
+        """The record, or a StateError naming the file and how to repair it."""
+        try:
+            text = self.state_path.read_text()
+        except FileNotFoundError:
+            raise StateError(f"cluster {self.name} has no state file {self.state_path}: it was never "
+                             f"brought up, or `fsdpctl down` removed it") from None
+        repair = (f"restore the file, or remove the cluster with `fsdpctl down --cluster {self.name} "
+                  "--force`")
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise StateError(f"{self.state_path} is not valid JSON ({e}); {repair}") from None
+        if not isinstance(data, dict):
+            raise StateError(f"{self.state_path} does not hold a JSON object; {repair}")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if not isinstance(version, int) or version > SCHEMA_VERSION:
+            raise StateError(f"{self.state_path} has schema_version {version!r}, newer than this fsdpctl "
+                             f"reads ({SCHEMA_VERSION}): use the fsdpctl that wrote it, or upgrade")
+        try:
+            return ClusterRecord.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise StateError(f"{self.state_path}: {where}: {first['msg']}; {repair}") from None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / "state.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def update(self, **fields: Any) -> ClusterRecord:
+        """Change the given fields (validated) and return the new record; the read-modify-write
+        holds the state lock, and the file is replaced atomically."""
+        with self._locked():
+            current = self.read().model_dump() if self.exists() else {}
+            for key, value in fields.items():
+                current[key] = value.model_dump() if isinstance(value, BaseModel) else value
+            current["updated_at"] = time.time()
+            record = ClusterRecord.model_validate(current)
+            self._write(record)
+        return record
+
+    def _write(self, record: ClusterRecord) -> None:
+        tmp = self.state_path.with_name(f"state.json.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(record.model_dump_json(indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(self.state_path)
+
+    def new_run_dir(self, kind: str) -> Path:
+        """A fresh directory for one run's logs and report, under reports/<cluster>/."""
+        base = self.reports_dir / f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
+        path, suffix = base, 0
+        while True:
+            try:
+                path.mkdir(parents=True)
+                return path
+            except FileExistsError:
+                suffix += 1
+                path = base.with_name(f"{base.name}.{suffix}")
+
+    @contextlib.contextmanager
+    def operation(self, what: str) -> Iterator[None]:
+        """Hold the cluster's operation lock: one up/down/replace per cluster at a time (a second
+        `up` failing half-way would tear down what the first is still building). The lock file lives
+        outside the state directory, which `down` removes."""
+        lock_dir = home() / "locks"
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        with open(lock_dir / f"{self.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UsageError(f"another fsdpctl up, down or replace is running on cluster {self.name}; "
+                                 f"wait for it to finish, then run `fsdpctl {what}` again") from None
+            yield
+
+    def remove(self) -> None:
+        """Remove the state directory (reports stay) and, if it was current, the current marker."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        current = home() / "current"
+        if current.exists() and current.read_text().strip() == self.name:
+            current.unlink()
+
+
+def cluster_state(name: str) -> ClusterState:
+    return ClusterState(name=name, root=home() / "clusters" / name)
+
+
+def create(spec_file: Path, spec: ClusterSpec, target: Target, **fields: Any) -> ClusterState:
+    """Start the state of a new cluster and make it the current one."""
+    state = cluster_state(spec.name)
+    state.root.mkdir(parents=True, exist_ok=True)
+    state.spec_path.write_text(Path(spec_file).read_text())
+    state.update(name=spec.name, target=target, created_at=time.time(), **fields)
+    set_current(spec.name)
+    return state
+
+
+def set_current(name: str) -> None:
+    home().mkdir(parents=True, exist_ok=True)
+    (home() / "current").write_text(name + "\n")
+
+
+def known_clusters() -> list[ClusterState]:
+    clusters = home() / "clusters"
+    if not clusters.is_dir():
+        return []
+    return [cluster_state(p.name) for p in sorted(clusters.iterdir()) if (p / "state.json").exists()]
+
+
+def resolve(name: str | None) -> ClusterState:
+    """The cluster a command acts on: --cluster NAME, else the one brought up last."""
+    if name is None:
+        current = home() / "current"
+        if not current.exists():
+            raise StateError(f"no current cluster under {home()}: run `fsdpctl up SPEC.yaml` first, "
+                             "or pass --cluster NAME (`fsdpctl list` shows them)")
+        name = current.read_text().strip()
+    state = cluster_state(name)
+    if not state.exists():
+        known = [c.name for c in known_clusters()]
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise StateError(f"no cluster named {name!r} under {home()}; {hint}known: "
+                         f"{', '.join(known) or 'none'} (`fsdpctl list`)")
+    return state

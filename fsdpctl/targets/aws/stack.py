@@ -1,0 +1,375 @@
+"""The aws target's verbs over the Pulumi Automation API and the repository's Pulumi program.
+
+`up` checks for the pulumi CLI, runs the pre-flight checks (nothing is created when one fails),
+provides an SSH key, sets the stack config (`aws:region`, `fsdp-cluster:cluster` = the spec,
+`fsdp-cluster:expiresAt` pinned at first creation), shows what it will create (the offline plan for a
+new stack, Pulumi's preview diff for an existing one) with its cost, asks, runs `pulumi up` with its
+progress and records the nodes, SSH settings, shared dir and stack outputs in the cluster state.
+`down` runs `pulumi destroy` and then the leftover sweep (sweep.py); it raises when anything is left.
+`replace_node` terminates one node and lets Pulumi recreate it under the same rank.
+
+Stack state lives in `$PULUMI_BACKEND_URL` when set (Pulumi Cloud, s3://...), else in a local file
+backend under the fsdpctl home; the stack name is the cluster name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from fsdpctl import state as state_mod
+from fsdpctl.checkout import REPO_ROOT
+from fsdpctl.console import Out
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.state import ClusterState
+from fsdpctl.targets.aws import preflight, sweep
+from fsdpctl.targets.aws.clients import AwsClients
+from fsdpctl.targets.aws.keys import ssh_key
+from infra.spec import ClusterSpec
+
+UPDATES_IN_PLACE = True
+"""`up` of an existing cluster with a changed spec updates it: Pulumi applies the difference."""
+
+PULUMI_INSTALL = "curl -fsSL https://get.pulumi.com | sh"
+PULUMI_DOCS = "https://www.pulumi.com/docs/iac/download-install/"
+
+
+# ---- the pulumi CLI and the stack ----------------------------------------------------------------
+def pulumi_command():
+    """The pulumi CLI for the Automation API, or a UsageError that says how to install it."""
+    found = shutil.which("pulumi")
+    installer_default = Path.home() / ".pulumi" / "bin" / "pulumi"
+    if not found and installer_default.exists():
+        found = str(installer_default)
+    if not found:
+        raise UsageError(
+            "the pulumi CLI is not installed (not on PATH, not in ~/.pulumi/bin): fsdpctl drives "
+            f"`pulumi up/destroy` through it. Install it with `{PULUMI_INSTALL}` (see {PULUMI_DOCS}), "
+            "open a new shell so ~/.pulumi/bin is on PATH, then run the same fsdpctl command again. "
+            "Nothing was created.")
+    from pulumi.automation import PulumiCommand
+
+    return PulumiCommand(root=str(Path(found).resolve().parent.parent))
+
+
+def check_prerequisites(action: str) -> None:
+    """What `up` needs on this machine, before any state exists: the pulumi CLI."""
+    del action
+    pulumi_command()
+
+
+def pulumi_env() -> dict[str, str]:
+    """Backend and passphrase for non-interactive runs, unless the user chose their own."""
+    env = {}
+    if not os.environ.get("PULUMI_BACKEND_URL"):
+        backend = state_mod.home() / "pulumi"
+        backend.mkdir(parents=True, exist_ok=True)
+        env["PULUMI_BACKEND_URL"] = backend.as_uri()
+    if not os.environ.get("PULUMI_CONFIG_PASSPHRASE") and not os.environ.get("PULUMI_CONFIG_PASSPHRASE_FILE"):
+        # The stack config holds no secrets (only a public key); the passphrase guards nothing.
+        env["PULUMI_CONFIG_PASSPHRASE"] = ""
+    return env
+
+
+def backend_url() -> str:
+    return os.environ.get("PULUMI_BACKEND_URL") or pulumi_env()["PULUMI_BACKEND_URL"]
+
+
+def cancel_advice(cluster: str) -> str:
+    """The exact command that clears a crashed operation's lock on this project's backend (a plain
+    `pulumi cancel` would look in the user's default backend)."""
+    return (f"PULUMI_BACKEND_URL={backend_url()} pulumi cancel --stack {cluster} --yes "
+            f"--cwd {REPO_ROOT}")
+
+
+def _workspace_options(command):
+    from pulumi import automation as auto
+
+    if not (REPO_ROOT / "Pulumi.yaml").exists():
+        raise UsageError(f"no Pulumi.yaml in {REPO_ROOT}: run fsdpctl from a checkout of the "
+                         "fsdp-cluster repository (pip install -e .)")
+    return auto.LocalWorkspaceOptions(work_dir=str(REPO_ROOT), pulumi_command=command, env_vars=pulumi_env())
+
+
+def open_stack(spec: ClusterSpec, command, *, create: bool):
+    """The cluster's stack (named after the cluster); None when it does not exist and create is false."""
+    from pulumi import automation as auto
+
+    opts = _workspace_options(command)
+    if create:
+        return auto.create_or_select_stack(spec.name, work_dir=str(REPO_ROOT), opts=opts)
+    try:
+        return auto.select_stack(spec.name, work_dir=str(REPO_ROOT), opts=opts)
+    except auto.errors.StackNotFoundError:
+        return None
+
+
+def configure_stack(stack, spec: ClusterSpec) -> str | None:
+    """Set the stack config; returns the pinned expiry time (None when expiry is off)."""
+    from pulumi import automation as auto
+
+    from infra.program import EXPIRES_AT_KEY, expiry_time
+    from infra.spec import PULUMI_CONFIG_KEY
+
+    stack.set_config("aws:region", auto.ConfigValue(spec.region))
+    # A JSON string: the program's Config.require_object parses it into the same object.
+    stack.set_config(PULUMI_CONFIG_KEY, auto.ConfigValue(json.dumps(spec.model_dump(mode="json"))))
+    try:
+        pinned = stack.get_config(EXPIRES_AT_KEY).value
+    except auto.errors.CommandError:
+        pinned = None
+    if spec.expiry_hours is None:
+        return None
+    if not pinned:
+        # Pinned once: re-running `up` must not push the dead-man's switch further out each time.
+        pinned = expiry_time(spec)
+        stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(pinned))
+    return pinned
+
+
+def _progress(out: Out) -> Callable[[str], None]:
+    return lambda line: out(line.rstrip("\n"))
+
+
+def _tail(text: object, lines: int = 25) -> str:
+    return "\n".join(str(text).strip().splitlines()[-lines:])
+
+
+def _locked(spec: ClusterSpec, error: Exception, what: str) -> UsageError:
+    return UsageError(f"another pulumi operation holds stack {spec.name} ({_tail(error, 3)}). Wait for it; "
+                      f"if it crashed, clear its lock with `{cancel_advice(spec.name)}`, then run "
+                      f"`fsdpctl {what}` again.")
+
+
+# ---- outputs -> state ----------------------------------------------------------------------------
+def state_from_outputs(spec: ClusterSpec, outputs: Mapping[str, Any], *, key_file: Path,
+                       known_hosts: Path) -> dict[str, Any]:
+    """The state fields a cluster gets from its stack outputs (plain values)."""
+    nodes = sorted(outputs.get("nodes") or [], key=lambda n: n["rank"])
+    if [n["rank"] for n in nodes] != list(range(spec.node_count)):
+        raise CommandError(
+            f"the stack reports nodes with ranks {[n['rank'] for n in nodes]}, the spec wants "
+            f"{spec.node_count} (0..{spec.node_count - 1}): the Pulumi program and this fsdpctl disagree. "
+            f"Run `fsdpctl up` again, or `fsdpctl down --cluster {spec.name}` to clean up.")
+    user = outputs.get("ssh_user") or spec.access.ssh_user
+    bastion = outputs.get("bastion_public_ip")
+    fsx = spec.storage.fsx
+    return {
+        "nodes": [{"rank": n["rank"], "name": n["name"], "address": n["private_ip"],
+                   "instance_id": n["instance_id"]} for n in nodes],
+        "ssh": {"user": user, "key_file": str(key_file), "known_hosts": str(known_hosts),
+                "proxy_jump": f"{user}@{bastion}" if bastion else None},
+        "shared_dir": fsx.mount_point if fsx.enabled else None,
+        "stack_outputs": dict(outputs),
+    }
+
+
+def _record_outputs(state: ClusterState, spec: ClusterSpec, up_result, key_file: Path) -> None:
+    outputs = {name: output.value for name, output in up_result.outputs.items()}
+    state.update(**state_from_outputs(spec, outputs, key_file=key_file, known_hosts=state.known_hosts))
+
+
+def _up_failed(spec: ClusterSpec, error: Exception) -> CommandError:
+    return CommandError(
+        f"pulumi up failed for cluster {spec.name}:\n{_tail(error)}\n"
+        f"What exists stays recorded in the stack. Fix the cause, then resume with `fsdpctl up SPEC.yaml` "
+        f"(idempotent: Pulumi continues from what exists), or clean up with "
+        f"`fsdpctl down --cluster {spec.name}`.")
+
+
+# ---- up ------------------------------------------------------------------------------------------
+def _offline_cost(spec: ClusterSpec, expires_at: str | None, out: Out) -> float:
+    """Print what a new stack will hold and cost (the offline plan); returns the known $/hour."""
+    from fsdpctl.plan import estimate_cost, load_prices, render_summary
+    from infra.offline import run_offline
+
+    plan = run_offline(spec, expires_at)
+    cost = estimate_cost(plan, load_prices())
+    out(render_summary(plan, cost))
+    return cost.per_hour
+
+
+def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Callable[[str], None],
+       out: Out) -> None:
+    """Create or update the stack; `approve(question)` is asked after the preview, before anything
+    is created or changed."""
+    del node_count  # the stack always has the spec's node_count (checked by lifecycle)
+    command = pulumi_command()
+    aws = AwsClients.for_spec(spec)
+    out(f"pre-flight checks for {spec.name} in {spec.region} ...")
+    report = preflight.run_preflight(spec, aws, out=out)
+    if not report.ok:
+        raise CommandError(f"pre-flight failed, nothing was created:\n{report.failure_text()}\n"
+                           "Fix the spec or the account, then run `fsdpctl up SPEC.yaml` again.")
+    key_file, deployed_spec = ssh_key(state, spec)
+
+    from pulumi import automation as auto
+
+    stack = open_stack(deployed_spec, command, create=True)
+    expires_at = configure_stack(stack, deployed_spec)
+    per_hour = _offline_cost(deployed_spec, expires_at, out)
+    expiry = f"; its billed resources expire at {expires_at}" if expires_at else ""
+    if stack.info() is None:
+        question = f"Create cluster {spec.name} on AWS (about {per_hour:,.2f} USD per hour{expiry})?"
+    else:
+        out(f"pulumi preview: what `up` changes in the existing stack {spec.name}")
+        try:
+            stack.preview(diff=True, on_output=_progress(out), color="never")
+        except auto.errors.ConcurrentUpdateError as e:
+            raise _locked(spec, e, "up") from None
+        except auto.errors.CommandError as e:
+            raise _up_failed(spec, e) from None
+        question = f"Apply these changes to cluster {spec.name} (about {per_hour:,.2f} USD per hour{expiry})?"
+    approve(question)
+    # From here on `down` must run `pulumi destroy` (before, there is nothing to destroy).
+    state.update(pulumi_stack=spec.name, expires_at=expires_at, cost_per_hour=per_hour)
+    out(f"pulumi up: stack {spec.name}" + (f", expiry at {expires_at}" if expires_at else ""))
+    try:
+        result = stack.up(on_output=_progress(out), color="never")
+    except auto.errors.ConcurrentUpdateError as e:
+        raise _locked(spec, e, "up") from None
+    except auto.errors.CommandError as e:
+        raise _up_failed(spec, e) from None
+    _record_outputs(state, deployed_spec, result, key_file)
+    out(f"pulumi up: {dict(result.summary.resource_changes or {})}")
+
+
+# ---- down ----------------------------------------------------------------------------------------
+def destruction(state: ClusterState, spec: ClusterSpec) -> list[str]:
+    """What `down` destroys, for its question."""
+    record = state.read()
+    nodes = ", ".join(f"{n.name} ({n.instance_id})" for n in record.nodes) or "none recorded"
+    bucket = ("the checkpoint bucket is kept (checkpoint_bucket.keep_on_down)"
+              if spec.checkpoint_bucket.keep_on_down else
+              "the checkpoint bucket, emptied: its checkpoints are deleted")
+    return [f"every resource of Pulumi stack {spec.name} in {spec.region}: the nodes {nodes}, the "
+            "network, bastion, IAM roles and file systems",
+            bucket,
+            f"anything else tagged {sweep.CLUSTER_TAG}={spec.name} (with --force)"]
+
+
+def _destroy(spec: ClusterSpec, command, out: Out, *, refresh: bool = False) -> str | None:
+    """Run `pulumi destroy` and remove the stack; the error text, or None on success."""
+    from pulumi import automation as auto
+
+    stack = open_stack(spec, command, create=False)
+    if stack is None:
+        out(f"pulumi: no stack {spec.name}; nothing to destroy")
+        return None
+    out(f"pulumi destroy: stack {spec.name} ...")
+    try:
+        stack.destroy(on_output=_progress(out), color="never", refresh=refresh)
+        stack.workspace.remove_stack(spec.name)
+    except auto.errors.ConcurrentUpdateError as e:
+        raise _locked(spec, e, "down") from None
+    except auto.errors.CommandError as e:
+        return _tail(e, 15)
+    return None
+
+
+def down(state: ClusterState, spec: ClusterSpec, *, force: bool = False, out: Out) -> sweep.SweepReport:
+    """Destroy the stack, then sweep for tagged leftovers (deleting them with force). Raises
+    CommandError saying what is left and what to run when anything is; safe to run again."""
+    try:
+        command, destroy_error = pulumi_command(), None
+    except UsageError as e:
+        command, destroy_error = None, str(e) if state.read().pulumi_stack else None
+    aws = AwsClients.for_spec(spec)
+    if command is not None:
+        destroy_error = _destroy(spec, command, out)
+    keep = frozenset({"s3-bucket"}) if spec.checkpoint_bucket.keep_on_down else frozenset()
+    report = sweep.sweep(aws, spec.name, force=force, out=out, keep_kinds=keep)
+    if destroy_error and command is not None and force and report.clean:
+        # The sweep removed what blocked the destroy; refresh lets Pulumi drop what is gone.
+        out("pulumi destroy failed before the sweep; trying again now that the leftovers are gone")
+        destroy_error = _destroy(spec, command, out, refresh=True)
+    if report.clean and not destroy_error:
+        kept = "".join(f"; kept {item} (checkpoint_bucket.keep_on_down)" for item in report.kept)
+        out(f"cluster {spec.name}: nothing left in {spec.region}{kept}")
+        return report
+    problems = sweep.describe_report(report, spec.name)
+    if destroy_error:
+        problems = f"  - pulumi destroy did not finish:\n{destroy_error}\n{problems}"
+    raise CommandError(f"cluster {spec.name} is not fully gone:\n{problems.rstrip()}\n"
+                       f"The state in {state.root} is kept. Fix the above and run "
+                       f"`fsdpctl down --cluster {spec.name}" + ("" if force else " --force") + "` again.")
+
+
+# ---- health and replace --------------------------------------------------------------------------
+def health(state: ClusterState) -> list[str]:
+    """Nodes whose instance is not running, or that do not answer over SSH."""
+    from fsdpctl.remote import run_all
+
+    record = state.read()
+    if not record.nodes or record.ssh is None:
+        return ["the cluster never finished coming up"]
+    aws = AwsClients.for_spec(state.spec())
+    nodes = record.active_nodes()
+    ids = [n.instance_id for n in nodes if n.instance_id]
+    states = {}
+    for reservation in aws.ec2.describe_instances(InstanceIds=ids).get("Reservations", []):
+        for instance in reservation["Instances"]:
+            states[instance["InstanceId"]] = instance["State"]["Name"]
+    problems = [f"{n.name}: instance {n.instance_id} is {states.get(n.instance_id, 'gone')}"
+                for n in nodes if states.get(n.instance_id) != "running"]
+    if problems:
+        return problems
+    names = {n.rank: n.name for n in record.nodes}
+    results = run_all(state, "true", timeout=30, check=False)
+    return [f"{names[rank]}: ssh failed: {r.stderr.strip()[-200:]}" for rank, r in results.items()
+            if r.returncode]
+
+
+def node_destruction(state: ClusterState, rank: int) -> str:
+    node = next(n for n in state.read().nodes if n.rank == rank)
+    return f"instance {node.instance_id} ({node.name}) and its local NVMe data are terminated"
+
+
+def _forget_host(known_hosts: Path, address: str) -> None:
+    if known_hosts.exists():
+        subprocess.run(["ssh-keygen", "-R", address, "-f", str(known_hosts)], capture_output=True,
+                       check=False)
+
+
+def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out) -> None:
+    """Terminate the node of `rank` and let Pulumi create a new one with the same rank; the new
+    instance id and address are recorded."""
+    from pulumi import automation as auto
+
+    from infra.program import node_urn
+
+    record = state.read()
+    node = next(n for n in record.nodes if n.rank == rank)
+    command = pulumi_command()
+    aws = AwsClients.for_spec(spec)
+    stack = open_stack(spec, command, create=False)
+    if stack is None:
+        raise UsageError(f"no Pulumi stack {spec.name} in {backend_url()}; run `fsdpctl up` first "
+                         "(or set PULUMI_BACKEND_URL to the backend it was created in)")
+    # Terminate first: with a reservation sized to the cluster, the replacement needs the slot the
+    # old instance holds (Pulumi would otherwise create the new one before deleting the old).
+    out(f"terminating {node.name} ({node.instance_id}) ...")
+    leftover = sweep.Leftover("instance", node.instance_id or "", node.name)
+    failures = sweep.terminate_and_wait(aws, [leftover], out)
+    if failures:
+        raise CommandError(f"could not terminate {node.instance_id}: {failures[0][1]}; "
+                           f"run `fsdpctl replace {rank}` again")
+    out(f"pulumi up --replace {node.name} ...")
+    started = time.monotonic()
+    try:
+        result = stack.up(replace=[node_urn(spec.name, spec, rank)], on_output=_progress(out), color="never")
+    except auto.errors.ConcurrentUpdateError as e:
+        raise _locked(spec, e, f"replace {rank}") from None
+    except auto.errors.CommandError as e:
+        raise _up_failed(spec, e) from None
+    _record_outputs(state, spec, result, Path(record.ssh.key_file))
+    _forget_host(state.known_hosts, node.address)
+    new = next(n for n in state.read().nodes if n.rank == rank)
+    out(f"{node.name}: {node.instance_id} -> {new.instance_id} ({new.address}) "
+        f"in {time.monotonic() - started:.0f} s")

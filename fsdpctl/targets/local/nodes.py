@@ -1,0 +1,424 @@
+"""Local nodes: systemd-nspawn containers on one bridge, each a full Debian host reached over SSH.
+
+Each node boots systemd from a per-node overlay on the shared read-only base image, with its own
+hostname (= spec.node_name(rank)), machine-id and SSH host key, and `eth0` (a veth whose host end is
+a port of the cluster's bridge). The bridge has MTU 9000 so the playbook can raise eth0 to jumbo
+frames. The nodes' default gateway is an address on the bridge that nobody answers, and the bridge
+does not forward, so a node reaches the other nodes and the host's bridge address, nothing else.
+A host directory is bind-mounted at /shared on every node (the stand-in for FSx).
+
+Everything `up` will create is recorded in state (`local`) before it is created, so `down` can
+remove it after any failure, including a SIGKILLed `up`: it finds processes by the node
+directories they run from, not by pids that a killed run may never have written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from fsdpctl.console import Out
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.remote import close_control_masters, run_all, ssh_options
+from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings
+from fsdpctl.targets.local import rootfs
+from fsdpctl.targets.local.host import require_host
+from infra.spec import ClusterSpec
+
+BRIDGE_MTU = 9000
+SHARED_MOUNT = "/shared"
+SSH_USER = "root"
+BOOT_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 30
+NSPAWN_RUNTIME_DIRS = ("/run/systemd/nspawn/propagate", "/run/systemd/nspawn/unix-export")
+NSPAWN_LOCKS_DIR = "/run/systemd/nspawn/locks"
+
+
+
+def make_plan(state: ClusterState, spec: ClusterSpec, node_count: int, rootfs_dir: Path) -> LocalRecord:
+    """Names and addresses of everything the cluster will consist of; nothing is created here."""
+    subnet = ipaddress.ip_network(spec.local.subnet_cidr)
+    hosts = list(subnet.hosts())
+    capacity = len(hosts) - 2  # the bridge's address and the dead-end gateway
+    if not 1 <= node_count <= capacity:
+        raise UsageError(f"--nodes/node_count {node_count}: local.subnet_cidr {subnet} holds 1 to "
+                           f"{capacity} nodes; pass a smaller --nodes or a larger local.subnet_cidr")
+    # Link names are limited to 15 characters; a digest of the state directory keeps two clusters
+    # (or two FSDPCTL_HOMEs) from ever sharing a link name.
+    tag = hashlib.sha256(str(state.root.resolve()).encode()).hexdigest()[:6]
+    nodes_dir = state.root / "local"
+    nodes = [LocalNode(rank=rank, name=spec.node_name(rank), address=str(hosts[1 + rank]),
+                      machine=f"fsdp-{tag}-{rank}", veth=f"fsdp{tag}v{rank}",
+                      dir=str(nodes_dir / spec.node_name(rank)), machine_id=uuid.uuid4().hex)
+             for rank in range(node_count)]
+    return LocalRecord(subnet=str(subnet), bridge=f"fsdp{tag}br", bridge_address=str(hosts[0]),
+                     gateway=str(hosts[-1]), rootfs=str(rootfs_dir),
+                     shared_host_dir=str(state.root / "shared"), nodes=nodes)
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if check and result.returncode:
+        raise CommandError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
+    return result
+
+
+def _link_exists(name: str) -> bool:
+    return _sh("ip", "link", "show", "dev", name, check=False).returncode == 0
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        path.unlink()
+    path.write_text(text)
+    path.chmod(mode)
+
+
+def _host_conflicts(plan: LocalRecord) -> list[str]:
+    """Host routes or links that the new cluster would collide with."""
+    problems = []
+    subnet = ipaddress.ip_network(plan.subnet)
+    for line in _sh("ip", "-4", "-o", "route", "show", "table", "all").stdout.splitlines():
+        dest = line.split()[0]
+        if dest in ("default", "local", "broadcast", "unreachable", "prohibit", "blackhole"):
+            dest = line.split()[1] if dest != "default" else "0.0.0.0/0"
+        try:
+            net = ipaddress.ip_network(dest, strict=False)
+        except ValueError:
+            continue
+        if net.prefixlen > 0 and net.overlaps(subnet):
+            problems.append(f"host route `{line.strip()}` overlaps local.subnet_cidr {subnet}")
+    problems += [f"link {name} already exists" for name in [plan.bridge, *(n.veth for n in plan.nodes)]
+                 if _link_exists(name)]
+    return problems
+
+
+def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Out = print) -> None:
+    """Create and boot the nodes; on any failure (or Ctrl-C) remove what was made, then raise."""
+    require_host("fsdpctl up --target local")
+    started = time.monotonic()
+    image = rootfs.ensure_rootfs(progress)
+    plan = make_plan(state, spec, node_count, image)
+    conflicts = _host_conflicts(plan)
+    if conflicts:
+        raise CommandError("cannot create the local nodes: " + "; ".join(conflicts) + ". Another cluster "
+                           "uses this subnet: pick another local.subnet_cidr, or `fsdpctl down` it first")
+    state.update(local=plan)  # recorded before anything exists, so `down` can always clean up
+    try:
+        _create(state, plan, progress)
+    except BaseException as e:
+        progress(f"local: `up` failed ({type(e).__name__}: {e}); removing what it created")
+        try:
+            down(state, progress)
+        except CommandError as cleanup:
+            raise CommandError(f"{e}\nRemoving what `up` had created failed too: {cleanup}") from e
+        if isinstance(e, CommandError):
+            raise CommandError(f"{e}\nEverything `up` had created was removed; fix the cause and run "
+                               f"`fsdpctl up` again.") from e
+        raise
+    progress(f"local: {len(plan.nodes)} node(s) up in {time.monotonic() - started:.1f} s on bridge "
+             f"{plan.bridge} ({plan.subnet}); shared dir {plan.shared_host_dir} is {SHARED_MOUNT} on every "
+             "node")
+
+
+def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
+    key_file = state.keys_dir / "id_ed25519"
+    if not key_file.exists():
+        state.keys_dir.mkdir(parents=True, exist_ok=True)
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fsdpctl@{state.name}", "-f", str(key_file))
+    public_key = key_file.with_suffix(".pub").read_text()
+    Path(plan.shared_host_dir).mkdir(parents=True, exist_ok=True)
+
+    _sh("ip", "link", "add", plan.bridge, "mtu", str(BRIDGE_MTU), "type", "bridge")
+    _sh("ip", "addr", "add", f"{plan.bridge_address}/{ipaddress.ip_network(plan.subnet).prefixlen}",
+        "dev", plan.bridge)
+    # The host must not route for the nodes, and IPv6 link-local would be a second way out.
+    Path(f"/proc/sys/net/ipv4/conf/{plan.bridge}/forwarding").write_text("0\n")
+    Path(f"/proc/sys/net/ipv6/conf/{plan.bridge}/disable_ipv6").write_text("1\n")
+    _sh("ip", "link", "set", plan.bridge, "up")
+
+    known_hosts = []
+    procs: dict[int, subprocess.Popen] = {}
+    for node in plan.nodes:
+        host_key = _prepare_node(node, plan, public_key)
+        known_hosts.append(f"{node.address} {host_key}")
+        progress(f"local: starting {node.name} ({node.address})")
+        procs[node.rank] = _start_node(node, plan)
+    known_hosts_file = state.known_hosts
+    _write(known_hosts_file, "\n".join(known_hosts) + "\n")
+
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    for node in plan.nodes:
+        _attach_veth(node, plan, procs[node.rank], deadline)
+    ssh = SshSettings(user=SSH_USER, key_file=str(key_file), known_hosts=str(known_hosts_file))
+    progress(f"local: waiting for {len(plan.nodes)} node(s) to boot (systemd, sshd)")
+    for node in plan.nodes:
+        _wait_booted(node, ssh, procs[node.rank], deadline, progress)
+    state.update(nodes=[Node(rank=n.rank, name=n.name, address=n.address) for n in plan.nodes],
+                 ssh=ssh, shared_dir=SHARED_MOUNT)
+
+
+def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
+    """Mount the node's overlay and write its identity; returns its SSH host public key."""
+    base = Path(node.dir)
+    for sub in ("upper", "work", "merged"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    _sh("mount", "-t", "overlay", "overlay", "-o",
+        f"lowerdir={plan.rootfs},upperdir={base / 'upper'},workdir={base / 'work'}", str(node.root))
+    root = node.root
+    prefix = ipaddress.ip_network(plan.subnet).prefixlen
+    _write(root / "etc/hostname", f"{node.name}\n")
+    _write(root / "etc/hosts", f"127.0.0.1 localhost\n{node.address} {node.name}\n")
+    _write(root / "etc/machine-id", node.machine_id + "\n", 0o444)
+    _write(root / "etc/systemd/network/10-eth0.network",
+           f"[Match]\nName=eth0\n\n[Network]\nAddress={node.address}/{prefix}\nGateway={plan.gateway}\n"
+           "LinkLocalAddressing=no\nIPv6AcceptRA=no\n")
+    (root / "root/.ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write(root / "root/.ssh/authorized_keys", public_key, 0o600)
+    (root / SHARED_MOUNT.lstrip("/")).mkdir(exist_ok=True)
+    host_key = root / "etc/ssh/ssh_host_ed25519_key"
+    _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{node.name}", "-f", str(host_key))
+    return " ".join(host_key.with_suffix(".pub").read_text().split()[:2])
+
+
+def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:
+    argv = [
+        "systemd-nspawn", "--quiet", "-D", str(node.root), "--machine", node.machine,
+        f"--hostname={node.name}", "--boot",
+        # The host's PID 1 need not be systemd: do not register with machined or ask for a scope.
+        "--register=no", "--keep-unit",
+        "--resolv-conf=off", "--timezone=off", "--link-journal=no", "--console=passive",
+        f"--network-veth-extra={node.veth}:eth0",
+        f"--bind={plan.shared_host_dir}:{SHARED_MOUNT}",
+    ]
+    with open(Path(node.dir) / "nspawn.log", "w") as log:
+        # Its own session: a Ctrl-C at the terminal goes to fsdpctl, which then shuts nodes down in order.
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _write(Path(node.dir) / "nspawn.pid", f"{proc.pid}\n")
+    return proc
+
+
+def _node_log(node: LocalNode) -> str:
+    log = Path(node.dir) / "nspawn.log"
+    return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+
+def _attach_veth(node: LocalNode, plan: LocalRecord, proc: subprocess.Popen, deadline: float) -> None:
+    while not _link_exists(node.veth):
+        if proc.poll() is not None:
+            raise CommandError(f"{node.name}: systemd-nspawn exited {proc.returncode} while starting:\n"
+                               f"{_node_log(node)}")
+        if time.monotonic() > deadline:
+            raise CommandError(f"{node.name}: its network link {node.veth} did not appear within "
+                               f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}")
+        time.sleep(0.05)
+    Path(f"/proc/sys/net/ipv6/conf/{node.veth}/disable_ipv6").write_text("1\n")
+    _sh("ip", "link", "set", node.veth, "mtu", str(BRIDGE_MTU), "master", plan.bridge, "up")
+
+
+def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, deadline: float,
+                 progress: Out) -> None:
+    while True:
+        if proc.poll() is not None:
+            raise CommandError(f"{node.name}: the node stopped while booting (exit {proc.returncode}):\n"
+                               f"{_node_log(node)}")
+        try:
+            socket.create_connection((node.address, 22), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise CommandError(f"{node.name}: sshd on {node.address}:22 did not answer within "
+                                   f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}") from None
+            time.sleep(0.2)
+    remaining = max(5.0, deadline - time.monotonic())
+    argv = ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address,
+            "systemctl is-system-running --wait; systemctl --failed --no-legend --plain"]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=remaining)
+    except subprocess.TimeoutExpired:
+        raise CommandError(f"{node.name}: systemd did not finish booting within {BOOT_TIMEOUT_S} s") from None
+    lines = result.stdout.split("\n", 1)
+    system_state = lines[0].strip()
+    if system_state not in ("running", "degraded"):
+        raise CommandError(f"{node.name}: boot ended in state "
+                           f"{system_state!r}: {result.stderr.strip()}")
+    if system_state == "degraded":
+        failed = lines[1].strip() if len(lines) > 1 else "?"
+        progress(f"local: {node.name} booted degraded; failed units: {failed}")
+
+
+# ---------------------------------------------------------------------------------------- teardown
+def _processes_of(plan: LocalRecord) -> dict[int, str]:
+    """Host pids of the nodes' nspawn processes (by the root directory on their command line) and of
+    their containers' init (by its container_uuid: it outlives a SIGKILLed nspawn); pid -> command."""
+    roots = [f" {n.root} " for n in plan.nodes]
+    uuids = [f"\0container_uuid={n.container_uuid}\0".encode() for n in plan.nodes]
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:  # a process may exit while we look
+            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
+        if any(r in f" {cmdline} " for r in roots) or any(u in environ for u in uuids):
+            found[int(entry)] = cmdline.strip()
+    return found
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _nspawn_pids(plan: LocalRecord) -> list[int]:
+    return [pid for pid, cmd in _processes_of(plan).items() if "systemd-nspawn" in cmd.split(" ", 1)[0]]
+
+
+def _stop_in_order(plan: LocalRecord, nspawn: list[int]) -> None:
+    """SIGTERM makes nspawn ask the node's systemd to shut down. A node still booting may not have
+    its signal handlers yet and drops the request, so repeat it until nspawn exits or time is up."""
+    end = time.monotonic() + STOP_TIMEOUT_S
+    while nspawn and time.monotonic() < end:
+        _signal_all(nspawn, signal.SIGTERM)
+        resend = time.monotonic() + 2
+        while (nspawn := _nspawn_pids(plan)) and time.monotonic() < min(resend, end):
+            time.sleep(0.1)
+
+
+def _wait_gone(plan: LocalRecord, timeout: float) -> dict[int, str]:
+    end = time.monotonic() + timeout
+    while (left := _processes_of(plan)) and time.monotonic() < end:
+        time.sleep(0.1)
+    return left
+
+
+def _mounts_under(path: str) -> list[str]:
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts]
+    return [p for p in points if p == path or p.startswith(path + "/")]
+
+
+def _stop_nodes(plan: LocalRecord, progress: Out) -> list[str]:
+    """Stop the plan's nodes (in order, then by force) and remove their links, mounts and nspawn
+    runtime dirs; returns what of them is still there."""
+    # nspawn turns SIGTERM into an orderly shutdown of the node's systemd.
+    nspawn = _nspawn_pids(plan)
+    if nspawn:
+        progress(f"local: stopping {len(nspawn)} node(s)")
+        _stop_in_order(plan, nspawn)
+    left = _processes_of(plan)
+    if left:  # a killed nspawn leaves its container's init behind; a stuck shutdown, everything
+        progress(f"local: killing {len(left)} leftover process(es)")
+        _signal_all(list(left), signal.SIGKILL)
+        _wait_gone(plan, 10)
+    for node in plan.nodes:
+        if _link_exists(node.veth):
+            _sh("ip", "link", "del", node.veth, check=False)
+        if node.root.is_mount():  # nspawn's image lock is named after the mounted root's inode
+            root_stat = node.root.stat()
+            Path(NSPAWN_LOCKS_DIR, f"inode-{root_stat.st_dev}:{root_stat.st_ino}").unlink(missing_ok=True)
+        for point in sorted(_mounts_under(str(node.root)), key=len, reverse=True):
+            if _sh("umount", point, check=False).returncode:
+                _sh("umount", "-l", point, check=False)
+        for runtime_dir in NSPAWN_RUNTIME_DIRS:
+            shutil.rmtree(Path(runtime_dir) / node.machine, ignore_errors=True)
+    return node_leftovers(plan)
+
+
+def down(state: ClusterState, progress: Out = print) -> None:
+    """Remove every process, link, mount and file of the local nodes; safe to repeat."""
+    plan = state.read().local
+    if plan is None:
+        return
+    for control_dir in state.reports_dir.glob("*-configure*/cp"):
+        close_control_masters(control_dir)
+    problems = _stop_nodes(plan, progress)
+    if _link_exists(plan.bridge):
+        _sh("ip", "link", "del", plan.bridge, check=False)
+    problems += [f"link {plan.bridge}"] if _link_exists(plan.bridge) else []
+    if problems:
+        raise CommandError("local teardown left: " + "; ".join(problems) + ". Remove them by hand (or run "
+                           "`fsdpctl down` again); the state is kept so `down` can retry")
+    for node in plan.nodes:
+        shutil.rmtree(node.dir, ignore_errors=True)
+    shutil.rmtree(plan.shared_host_dir, ignore_errors=True)
+    state.update(local=None)
+    progress(f"local: removed {len(plan.nodes)} node(s), bridge {plan.bridge} and their files")
+
+
+def node_leftovers(plan: LocalRecord) -> list[str]:
+    """What of the plan's nodes still exists on the host (processes, links, mounts, runtime dirs)."""
+    found = [f"process {pid} ({cmd[:80]})" for pid, cmd in _processes_of(plan).items()]
+    found += [f"link {n.veth}" for n in plan.nodes if _link_exists(n.veth)]
+    for node in plan.nodes:
+        found += [f"mount {p}" for p in _mounts_under(str(node.root))]
+        found += [str(p) for d in NSPAWN_RUNTIME_DIRS if (p := Path(d) / node.machine).exists()]
+    return found
+
+
+def leftovers(plan: LocalRecord) -> list[str]:
+    """What of the cluster still exists on the host, its bridge included."""
+    return node_leftovers(plan) + ([f"link {plan.bridge}"] if _link_exists(plan.bridge) else [])
+
+
+def replace_node(state: ClusterState, rank: int, progress: Out = print) -> None:
+    """A fresh node in place of the one with `rank`: stopped, its files removed, booted again from the
+    image with the same name and address but a new machine-id and host key (the new host key
+    replaces the old one in known_hosts)."""
+    require_host("fsdpctl replace (local target)")
+    record = state.read()
+    plan = record.local
+    if plan is None or record.ssh is None:
+        raise UsageError(f"cluster {state.name} never finished coming up; run `fsdpctl down`, then "
+                         "`fsdpctl up`")
+    old = next(n for n in plan.nodes if n.rank == rank)
+    problems = _stop_nodes(plan.model_copy(update={"nodes": [old]}), progress)
+    if problems:
+        raise CommandError(f"{old.name} could not be stopped: {'; '.join(problems)}. Run `fsdpctl replace "
+                           f"{rank}` again, or `fsdpctl down`")
+    shutil.rmtree(old.dir, ignore_errors=True)
+    new = old.model_copy(update={"machine_id": uuid.uuid4().hex})
+    state.update(local=plan.model_copy(update={"nodes": [new if n.rank == rank else n for n in plan.nodes]}))
+    key_file = Path(record.ssh.key_file)
+    host_key = _prepare_node(new, plan, key_file.with_suffix(".pub").read_text())
+    known_hosts = [line for line in state.known_hosts.read_text().splitlines()
+                   if not line.startswith(f"{new.address} ")]
+    _write(state.known_hosts, "\n".join([*known_hosts, f"{new.address} {host_key}"]) + "\n")
+    progress(f"local: starting a new {new.name} ({new.address})")
+    proc = _start_node(new, plan)
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    _attach_veth(new, plan, proc, deadline)
+    _wait_booted(new, record.ssh, proc, deadline, progress)
+
+
+def health(state: ClusterState) -> list[str]:
+    """Problems that make the cluster unusable (an empty list means every node answers over SSH)."""
+    record = state.read()
+    plan = record.local
+    if plan is None or not record.nodes:
+        return ["the cluster never finished coming up"]
+    running = {cmd for cmd in _processes_of(plan).values() if cmd.startswith("systemd-nspawn")}
+    problems = [f"{n.name}: not running" for n in plan.nodes
+                if not any(f" {n.root} " in f" {c} " for c in running)]
+    if problems:
+        return problems
+    results = run_all(state, "true", timeout=20, check=False)
+    names = {n.rank: n.name for n in record.nodes}
+    return [f"{names[rank]}: ssh failed: {r.stderr.strip()[-200:]}"
+            for rank, r in results.items() if r.returncode]
+

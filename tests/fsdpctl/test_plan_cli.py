@@ -1,0 +1,163 @@
+"""`fsdpctl plan`: the offline plan's text and JSON output, the cost estimate and its price table,
+and bad input (exit 2, every problem listed, nothing run)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from datetime import date
+
+import pytest
+import yaml
+
+from fsdpctl.cli import main
+from fsdpctl.plan import estimate_cost, load_prices, render_text
+from infra import offline
+from tests.infra.conftest import REPO, demo_data, plan_of
+
+DEMO = str(REPO / "examples" / "demo.yaml")
+
+
+def write_spec(tmp_path, **overrides):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(demo_data(**overrides)))
+    return str(path)
+
+
+def demo_cost_per_hour(prices: dict) -> float:
+    """4 p4d nodes, NAT gateway, 2 public IPv4 (NAT, bastion), t3.micro bastion, 4x200+10 GiB gp3."""
+    region = prices["regions"]["us-east-1"]
+    return (4 * region["instance_hour"]["p4d.24xlarge"] + region["nat_gateway_hour"]
+            + 2 * region["public_ipv4_hour"] + region["instance_hour"]["t3.micro"]
+            + 810 * region["ebs_gp3_gib_month"] / prices["hours_per_month"])
+
+
+def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
+    assert main(["plan", DEMO]) == 0
+    out = capsys.readouterr().out
+    for heading in ("Network", "Security", "Storage", "Identity", "Compute", "Expiry"):
+        assert f"\n  {heading}\n" in out
+    assert "Resources `pulumi up` would create: 34" in out
+    assert "4 EFA on 4 network cards" in out and "IMDSv2 required" in out
+    assert "in: all itself, tcp/22 <demo-bastion.id>" in out
+    assert "demo-node3" in out and "rank 3" in out
+    assert "objects and noncurrent versions expire after 7 days" in out
+    assert "Warnings: none" in out
+    expected = demo_cost_per_hour(load_prices())
+    assert f"Total: {expected:,.2f} USD per hour, {expected * 24:,.2f} USD per day" in out
+    assert "prices as of 2025-06-10" in out
+
+
+def test_plan_json_is_the_graph_outputs_and_cost(capsys):
+    assert main(["plan", DEMO, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["cluster"] == "demo"
+    assert len(report["resources"]) == 34 and sum(report["counts"].values()) == 34
+    assert report["counts"]["aws:ec2/instance:Instance"] == 5
+    assert [n["efa_count"] for n in report["outputs"]["nodes"]] == [4, 4, 4, 4]
+    assert report["warnings"] == []
+    cost = report["cost"]
+    assert cost["complete"] is True
+    assert cost["per_hour"] == pytest.approx(demo_cost_per_hour(load_prices()), abs=1e-3)
+    assert cost["per_day"] == pytest.approx(cost["per_hour"] * 24, abs=0.01)
+    nodes = next(line for line in cost["lines"] if line["item"] == "p4d.24xlarge on-demand")
+    assert nodes["quantity"] == 4 and nodes["unit_price"] == 21.96
+
+
+def test_price_override_file_is_merged_over_the_built_in_table(tmp_path, capsys):
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(yaml.safe_dump({"as_of": "2026-11-30",
+                                      "regions": {"us-east-1": {"instance_hour": {"p4d.24xlarge": 10.0}}}}))
+    assert main(["plan", DEMO, "--json", "--prices", str(prices)]) == 0
+    cost = json.loads(capsys.readouterr().out)["cost"]
+    assert cost["prices_as_of"] == "2026-11-30"
+    nodes = next(line for line in cost["lines"] if line["item"] == "p4d.24xlarge on-demand")
+    assert nodes["per_hour"] == 40.0
+    nat = next(line for line in cost["lines"] if line["item"] == "NAT gateway")
+    assert nat["unit_price"] == load_prices()["regions"]["us-east-1"]["nat_gateway_hour"]
+
+
+def test_spot_capacity_blocks_and_missing_regions_are_not_priced_as_on_demand():
+    prices = load_prices()
+    spot = estimate_cost(plan_of(capacity={"type": "spot"}), prices)
+    line = next(c for c in spot.lines if "spot" in c.item)
+    assert line.unit_price is None and "varies" in line.note and not spot.complete
+    block_plan = plan_of(capacity={"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"})
+    block = estimate_cost(block_plan, prices)
+    assert next(c for c in block.lines if "capacity block" in c.item).unit_price is None
+    faraway = estimate_cost(plan_of(region="ap-southeast-2", availability_zone="ap-southeast-2a"), prices)
+    node_line = next(c for c in faraway.lines if "p4d" in c.item)
+    assert node_line.unit_price is None and "--prices" in node_line.note
+
+
+def test_fsx_is_priced_per_gib_month_of_its_tier():
+    prices = load_prices()
+    plan = plan_of(storage={"fsx": {"enabled": True, "capacity_gib": 2400, "throughput_per_tib": 125}})
+    line = next(c for c in estimate_cost(plan, prices).lines if c.item.startswith("FSx"))
+    per_gib_month = prices["regions"]["us-east-1"]["fsx_lustre_gib_month"]["PERSISTENT_2"][125]
+    assert line.per_hour == pytest.approx(2400 * per_gib_month / prices["hours_per_month"])
+
+
+def test_plan_text_warns_about_reservations_and_old_prices(demo_plan):
+    plan = plan_of(capacity={"type": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0"})
+    text = render_text(plan, estimate_cost(plan, load_prices()), today=date(2026, 12, 1))
+    assert "no placement group is created" in text
+    assert "reservations bill at the on-demand rate" in text
+    assert "the price table is 539 days old" in text
+    fresh = render_text(demo_plan, estimate_cost(demo_plan, load_prices()), today=date(2025, 7, 1))
+    assert "days old" not in fresh
+
+
+def test_bad_spec_exits_2_with_every_problem_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    def must_not_run(*_args, **_kwargs):
+        raise AssertionError("the program ran for an invalid spec")
+
+    monkeypatch.setattr(offline, "run_offline", must_not_run)
+    spec = write_spec(tmp_path, node_count=0, ssh_cidr="0.0.0.0/0", instance_type="p5.48xlarg")
+    assert main(["plan", spec]) == 2
+    err = capsys.readouterr().err
+    assert "3 problem(s)" in err
+    assert "node_count" in err and "ssh_cidr" in err and "did you mean p5.48xlarge" in err
+
+
+def test_missing_spec_file_and_bad_price_file_are_clear_errors(tmp_path, capsys):
+    assert main(["plan", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad_prices = tmp_path / "prices.yaml"
+    bad_prices.write_text("- just\n- a list\n")
+    assert main(["plan", DEMO, "--prices", str(bad_prices)]) == 2
+    assert "must be a YAML mapping" in capsys.readouterr().err
+
+
+def test_missing_pulumi_packages_are_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pulumi_aws", None)  # makes `import pulumi_aws` fail
+    assert main(["plan", DEMO]) == 2
+    err = capsys.readouterr().err
+    assert "needs the Python packages pulumi and pulumi-aws" in err and "pip install -e '.[aws]'" in err
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"storage": {"fsx": {"enabled": True, "s3_import_path": "s3://team-data/corpus"}},
+     "capacity": {"type": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0"},
+     "tags": {"team": "foundation-models", "cost-center": "ml-research-0042"}},
+    {"instance_type": "p5.48xlarge", "capacity": {"type": "spot"}, "network": {"mtu": 1500}},
+])
+def test_plan_lines_fit_100_columns_and_quantities_read_as_amounts(overrides):
+    plan = plan_of(**overrides)
+    text = render_text(plan, estimate_cost(plan, load_prices()), today=date(2026, 12, 1))
+    too_long = [line for line in text.splitlines() if len(line) > 100]
+    assert too_long == []
+    assert re.search(r"EBS gp3 root volumes +\d+ GiB ", text) and " x810" not in text
+    assert re.search(r"p[45][a-z]*\.48xlarge .* +[24] x ", text) or re.search(r"p4d.24xlarge .* 4 x ", text)
+
+
+def test_no_stale_price_note_when_a_prices_file_replaced_the_table(tmp_path, capsys):
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(yaml.safe_dump({"regions": {"us-east-1": {"instance_hour": {"p4d.24xlarge": 20.0}}}}))
+    assert main(["plan", DEMO]) == 0
+    assert "days old" in capsys.readouterr().out  # the built-in table is from 2025
+    assert main(["plan", DEMO, "--prices", str(prices)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # long paths wrap
+    assert "days old" not in out and f"with {prices} merged over it" in out
