@@ -29,9 +29,10 @@ def spec_file(directory: Path, name: str, *, node_count: int = 2, **overrides) -
 
 def fsdpctl(home: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600,
             check: bool = True) -> subprocess.CompletedProcess:
-    """Run the real CLI (the venv's `fsdpctl` script) in a subprocess, as a user would."""
+    """Run the real CLI (the venv's `fsdpctl` script) in a subprocess, as a user would from a
+    script: no terminal on stdin, so a question is an error unless --yes is given."""
     result = subprocess.run([str(Path(sys.executable).parent / "fsdpctl"), *args], cwd=REPO,
-                            capture_output=True,
+                            capture_output=True, stdin=subprocess.DEVNULL,
                             text=True, timeout=timeout,
                             env={**os.environ, "FSDPCTL_HOME": str(home), **(env or {})})
     if check and result.returncode:

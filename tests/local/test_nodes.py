@@ -147,6 +147,29 @@ def test_exclude_removes_the_node_from_inventory_and_later_stages(cluster, state
         state.update(excluded=[])
 
 
+def test_replace_boots_a_fresh_node_with_the_same_rank_name_and_address(cluster, state):
+    home, _ = cluster
+    remote.run_all(state, "echo old > /root/marker")
+    old_id = remote.run(state, 1, "cat /etc/machine-id").stdout.strip()
+    fsdpctl(home, "exclude", "1", "--reason", "replaced in test")
+    refused = fsdpctl(home, "replace", "1", check=False)  # no terminal, no --yes
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    assert f"local node {NAME}-node1 and everything written on it" in refused.stdout
+    assert remote.run(state, 1, "cat /root/marker").stdout == "old\n"  # nothing was done
+
+    result = fsdpctl(home, "replace", "1", "--yes", timeout=900)
+    assert f"{NAME}-node1 replaced and configured" in result.stdout
+    # A new node: new identity, nothing of the old one's files, same name and address, reachable
+    # with its new host key pinned; the other node is untouched; the exclusion is cleared.
+    after = remote.run(state, 1, "hostname; cat /etc/machine-id; cat /root/marker 2>/dev/null; "
+                                 "ip -4 -o addr show dev eth0").stdout.splitlines()
+    assert after[0] == f"{NAME}-node1" and after[1] != old_id and "old" not in after
+    assert "198.18.1.3/24" in after[-1]
+    assert remote.run(state, 0, "cat /root/marker").stdout == "old\n"
+    assert read_state(home, NAME)["excluded"] == []
+    assert "every node answers over SSH" in fsdpctl(home, "status").stdout
+
+
 def process_gone(pid: int) -> bool:
     try:
         return "zombie" in Path(f"/proc/{pid}/status").read_text()
