@@ -265,8 +265,9 @@ def print_summary(result: ConfigureResult, out: Out = say) -> None:
 def cmd_configure(args: Namespace) -> int:
     line_buffered()
     state = state_mod.resolve(args.cluster)
-    result = run_configure(state, tags=args.tags, limit=args.limit,
-                           extra_vars=parse_extra_vars(args.extra_vars))
+    with state.operation("configure"):
+        result = run_configure(state, tags=args.tags, limit=args.limit,
+                               extra_vars=parse_extra_vars(args.extra_vars))
     print_summary(result)
     if result.canceled:
         say(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` again "

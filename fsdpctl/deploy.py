@@ -436,7 +436,8 @@ def deployed_venv(state: ClusterState) -> str:
 def cmd_deploy(args) -> int:
     state = resolve(args.cluster)
     try:
-        deploy(state)
+        with state.operation("deploy"):
+            deploy(state)
     except DeployError as e:
         raise CommandError(f"deploy to cluster {state.name!r} failed: {e}\n"
                            "Fix the cause and rerun `fsdpctl deploy` (finished steps are cached).") from None

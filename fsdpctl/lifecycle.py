@@ -111,9 +111,10 @@ def cmd_up(args: Namespace) -> int:
 
 def cmd_down(args: Namespace) -> int:
     line_buffered()
-    state = state_mod.resolve(args.cluster)
-    record = state.read()
-    spec = state.spec()
+    state = state_mod.resolve(args.cluster, readable=not args.force)
+    if args.force:  # gets through a truncated or garbled state.json or spec copy
+        state.restore_unreadable(warn)
+    record, spec = state.read(), state.spec()
     target = targets.get(record.target)
     with state.operation("down"):
         lines = "\n".join(f"  - {line}" for line in target.destruction(state, spec))
@@ -216,8 +217,9 @@ def cmd_exclude(args: Namespace) -> int:
         raise UsageError("--reason is empty; say why the node is excluded, e.g. --reason 'ECC errors'")
     entry = Exclusion(rank=args.rank, reason=reason,
                       time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
-    excluded = [e for e in record.excluded if e.rank != args.rank] + [entry]
-    state.update(excluded=sorted(excluded, key=lambda e: e.rank))
+    record = state.change(lambda current: {"excluded": sorted(
+        [e for e in current.excluded if e.rank != args.rank] + [entry], key=lambda e: e.rank)})
+    excluded = record.excluded
     say(f"excluded rank {args.rank} from cluster {state.name}: {reason}")
     if len(excluded) < len(ranks):
         say(f"inventory rewritten without it: {write_inventory(state)}")
@@ -245,25 +247,25 @@ def cmd_replace(args: Namespace) -> int:
         started = time.monotonic()
         target.replace_node(state, spec, args.rank, out=say)
 
-    from fsdpctl.configure import print_summary, run_configure
-    from fsdpctl.deploy import DeployError, deploy
+        from fsdpctl.configure import print_summary, run_configure
+        from fsdpctl.deploy import DeployError, deploy
 
-    # The blacklist entry was about the old node; the new one must be in the inventory to be
-    # configured and deployed.
-    record = state.update(excluded=[e for e in state.read().excluded if e.rank != args.rank])
-    write_inventory(state)
-    configured = run_configure(state, limit=node.name)
-    if not configured.ok:
-        print_summary(configured)
-        raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "
-                           f"{configured.run_dir}). Fix it, then run `fsdpctl configure --limit "
-                           f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
-    if record.deploy is not None:
-        try:
-            deploy(state, ranks=[args.rank])
-        except DeployError as e:
-            raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
-                               "run `fsdpctl deploy`.") from None
+        # The blacklist entry was about the old node; the new one must be in the inventory to be
+        # configured and deployed.
+        record = state.change(lambda now: {"excluded": [e for e in now.excluded if e.rank != args.rank]})
+        write_inventory(state)
+        configured = run_configure(state, limit=node.name)
+        if not configured.ok:
+            print_summary(configured)
+            raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "
+                               f"{configured.run_dir}). Fix it, then run `fsdpctl configure --limit "
+                               f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
+        if record.deploy is not None:
+            try:
+                deploy(state, ranks=[args.rank])
+            except DeployError as e:
+                raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
+                                   "run `fsdpctl deploy`.") from None
     say(f"{node.name} replaced and configured" + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")
     return 0

@@ -5,14 +5,20 @@ Layout under `$FSDPCTL_HOME` (default `~/.fsdpctl`):
     current                          name of the cluster commands act on without --cluster
     clusters/<name>/spec.yaml        the spec the cluster was brought up from (as given)
     clusters/<name>/state.json       the `ClusterRecord` below (schema_version, target, nodes, ...)
+    clusters/<name>/*.good           the last copy of spec.yaml and state.json that was read back
+                                     whole after writing: what `down --force` falls back on when
+                                     the file itself was truncated or edited into garbage
     clusters/<name>/inventory.ini    the Ansible inventory (`fsdpctl inventory`)
     clusters/<name>/keys/            SSH keys for the cluster
-    locks/<name>.lock                held by up/down/replace while they run
+    locks/<name>.lock                held by the command that changes the cluster or runs on it
+                                     (up, down, replace, configure, deploy, smoke, scale-test); it
+                                     names the holder, so a second one refuses with who to wait for
     reports/<name>/<time>-<kind>/    one directory per run (configure, smoke, scale-test): logs,
                                      report.json, report.html; kept after `fsdpctl down`
 
 state.json is written atomically (a temporary file renamed over it) under an exclusive lock held for
-the whole read-modify-write, so two commands on one cluster never lose each other's fields.
+the whole read-modify-write (`update`, `change`), so two commands on one cluster never lose each
+other's fields.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +39,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fsdpctl.errors import StateError, UsageError
-from infra.spec import ClusterSpec, load_spec
+from infra.spec import ClusterSpec, SpecError, load_spec
 
 SCHEMA_VERSION = 1
 """The layout of state.json this fsdpctl writes; a newer one is refused, not misread."""
@@ -230,33 +236,54 @@ class ClusterState:
         return self.state_path.exists()
 
     def spec(self) -> ClusterSpec:
-        return load_spec(self.spec_path)
+        """The cluster's copy of its spec, or a one-line StateError naming the file and the repair."""
+        return self._spec_from(self.spec_path)
+
+    def _spec_from(self, path: Path) -> ClusterSpec:
+        try:
+            return load_spec(path)
+        except SpecError as e:
+            raise StateError(f"{self.spec_path}: the cluster's copy of its spec is unreadable "
+                             f"({e.problems[0]}); {self._repair(self.spec_path)}") from None
 
     def read(self) -> ClusterRecord:
-        """The record, or a StateError naming the file and how to repair it."""
+        """The record, or a one-line StateError naming the file and how to repair it."""
         try:
             text = self.state_path.read_text()
         except FileNotFoundError:
             raise StateError(f"cluster {self.name} has no state file {self.state_path}: it was never "
                              f"brought up, or `fsdpctl down` removed it") from None
-        repair = (f"restore the file, or remove the cluster with `fsdpctl down --cluster {self.name} "
-                  "--force`")
         try:
-            data = json.loads(text)
+            return _parse_record(text)
         except ValueError as e:
-            raise StateError(f"{self.state_path} is not valid JSON ({e}); {repair}") from None
-        if not isinstance(data, dict):
-            raise StateError(f"{self.state_path} does not hold a JSON object; {repair}")
-        version = data.get("schema_version", SCHEMA_VERSION)
-        if not isinstance(version, int) or version > SCHEMA_VERSION:
-            raise StateError(f"{self.state_path} has schema_version {version!r}, newer than this fsdpctl "
-                             f"reads ({SCHEMA_VERSION}): use the fsdpctl that wrote it, or upgrade")
-        try:
-            return ClusterRecord.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise StateError(f"{self.state_path}: {where}: {first['msg']}; {repair}") from None
+            raise StateError(f"{self.state_path} {e}; {self._repair(self.state_path)}") from None
+
+    def _repair(self, path: Path) -> str:
+        backup = _backup(path)
+        restore = (f"restore it from {backup} (the last good copy), or " if backup.exists()
+                   else "restore it, or ")
+        return f"{restore}remove the cluster with `fsdpctl down --cluster {self.name} --force`"
+
+    def restore_unreadable(self, progress: Callable[[str], None]) -> None:
+        """For `down --force`: put back the last good copy of state.json or of the spec copy where the
+        file itself is unreadable, saying so; a StateError when the copy is unreadable too."""
+        for path, check in ((self.state_path, lambda p: _parse_record(p.read_text())),
+                            (self.spec_path, load_spec)):
+            try:
+                check(path)
+                continue
+            except (OSError, ValueError) as e:  # SpecError is a ValueError
+                problem = str(e).splitlines()[-1].strip(" -")
+            backup = _backup(path)
+            try:
+                check(backup)
+                text = backup.read_text()
+            except (OSError, ValueError):
+                raise StateError(f"{path} is unreadable ({problem}) and so is its last good copy {backup}; "
+                                 "remove what the cluster made by hand (docs/reliability.md says what "
+                                 f"that is), then the directory {self.root}") from None
+            progress(f"{path} is unreadable ({problem}); restored its last good copy {backup}")
+            write_kept(path, text)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
@@ -266,24 +293,22 @@ class ClusterState:
             yield
 
     def update(self, **fields: Any) -> ClusterRecord:
-        """Change the given fields (validated) and return the new record; the read-modify-write
-        holds the state lock, and the file is replaced atomically."""
+        """Set the given fields (validated) and return the new record; see `change`."""
+        return self.change(lambda _record: fields)
+
+    def change(self, fields_of: Callable[[ClusterRecord | None], dict[str, Any]]) -> ClusterRecord:
+        """Set the fields `fields_of(current record)` returns, the read, the change and the atomic
+        write all under the state lock: a field computed from the record (a list gaining an entry)
+        cannot lose what another command wrote in the meantime."""
         with self._locked():
-            current = self.read().model_dump() if self.exists() else {}
-            for key, value in fields.items():
+            record = self.read() if self.exists() else None
+            current = record.model_dump() if record else {}
+            for key, value in fields_of(record).items():
                 current[key] = value.model_dump() if isinstance(value, BaseModel) else value
             current["updated_at"] = time.time()
             record = ClusterRecord.model_validate(current)
-            self._write(record)
+            write_kept(self.state_path, record.model_dump_json(indent=2))
         return record
-
-    def _write(self, record: ClusterRecord) -> None:
-        tmp = self.state_path.with_name(f"state.json.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            f.write(record.model_dump_json(indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.state_path)
 
     def new_run_dir(self, kind: str) -> Path:
         """A fresh directory for one run's logs and report, under reports/<cluster>/."""
@@ -299,18 +324,29 @@ class ClusterState:
 
     @contextlib.contextmanager
     def operation(self, what: str) -> Iterator[None]:
-        """Hold the cluster's operation lock: one up/down/replace per cluster at a time (a second
-        `up` failing half-way would tear down what the first is still building). The lock file lives
-        outside the state directory, which `down` removes."""
+        """Hold the cluster's operation lock while a command changes the cluster or runs on it: one at a
+        time, so a second `up` failing half-way cannot tear down what the first is building, and
+        `deploy` cannot replace the trainer under a running `smoke`. A second command refuses at
+        once, naming the one it would have to wait for. The lock file lives outside the state
+        directory, which `down` removes."""
         lock_dir = home() / "locks"
         lock_dir.mkdir(parents=True, exist_ok=True)
-        with open(lock_dir / f"{self.name}.lock", "w") as lock:
+        with open(lock_dir / f"{self.name}.lock", "a+") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise UsageError(f"another fsdpctl up, down or replace is running on cluster {self.name}; "
-                                 f"wait for it to finish, then run `fsdpctl {what}` again") from None
-            yield
+                lock.seek(0)
+                holder = lock.read().strip() or "another fsdpctl command"
+                raise UsageError(f"cluster {self.name} is busy: {holder}; wait for it to finish (or stop "
+                                 f"it), then run `fsdpctl {what}` again") from None
+            lock.truncate(0)
+            lock.write(f"fsdpctl {what} (pid {os.getpid()}) is running since "
+                       f"{time.strftime('%H:%M:%S')}\n")
+            lock.flush()
+            try:
+                yield
+            finally:
+                lock.truncate(0)
 
     def remove(self) -> None:
         """Remove the state directory (reports stay) and, if it was current, the current marker."""
@@ -318,6 +354,42 @@ class ClusterState:
         current = home() / "current"
         if current.exists() and current.read_text().strip() == self.name:
             current.unlink()
+
+
+def _parse_record(text: str) -> ClusterRecord:
+    """state.json's text as a record; a ValueError saying what is wrong (not JSON, a newer schema, a
+    bad field)."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError("does not hold a JSON object")
+    version = data.get("schema_version", SCHEMA_VERSION)
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(f"has schema_version {version!r}, newer than this fsdpctl reads ({SCHEMA_VERSION}): "
+                         "use the fsdpctl that wrote it, or upgrade")
+    try:
+        return ClusterRecord.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ValueError(f"has a bad {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+
+
+def _backup(path: Path) -> Path:
+    return path.with_name(path.name + ".good")
+
+
+def write_kept(path: Path, text: str) -> None:
+    """Write `path` atomically (a synced temporary file renamed over it), then its `.good` copy the
+    same way: whatever later truncates or garbles the file, the copy holds what was last written."""
+    for target in (path, _backup(path)):
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(target)
 
 
 def cluster_state(name: str) -> ClusterState:
@@ -328,7 +400,7 @@ def create(spec_file: Path, spec: ClusterSpec, target: Target, **fields: Any) ->
     """Start the state of a new cluster and make it the current one."""
     state = cluster_state(spec.name)
     state.root.mkdir(parents=True, exist_ok=True)
-    state.spec_path.write_text(Path(spec_file).read_text())
+    write_kept(state.spec_path, Path(spec_file).read_text())
     state.update(name=spec.name, target=target, created_at=time.time(), **fields)
     set_current(spec.name)
     return state
@@ -346,8 +418,10 @@ def known_clusters() -> list[ClusterState]:
     return [cluster_state(p.name) for p in sorted(clusters.iterdir()) if (p / "state.json").exists()]
 
 
-def resolve(name: str | None) -> ClusterState:
-    """The cluster a command acts on: --cluster NAME, else the one brought up last."""
+def resolve(name: str | None, *, readable: bool = True) -> ClusterState:
+    """The cluster a command acts on: --cluster NAME, else the one brought up last. With `readable`
+    (all but `down --force`) its state.json and spec copy are read first, so a broken one stops
+    every command the same way before it does anything."""
     if name is None:
         current = home() / "current"
         if not current.exists():
@@ -361,4 +435,7 @@ def resolve(name: str | None) -> ClusterState:
         hint = f"did you mean {near[0]}? " if near else ""
         raise StateError(f"no cluster named {name!r} under {home()}; {hint}known: "
                          f"{', '.join(known) or 'none'} (`fsdpctl list`)")
+    if readable:
+        state.read()
+        state.spec()
     return state

@@ -155,7 +155,8 @@ def cmd_scale_test(args) -> int:
         raise UsageError(f"--steps {args.steps} leaves nothing to measure after {WARMUP_STEPS} warm-up "
                            "steps; use e.g. --steps 20")
     try:
-        result = run_scaling(state, steps=args.steps)
+        with state.operation("scale-test"):
+            result = run_scaling(state, steps=args.steps)
     except (CheckError, DeployError) as e:
         raise CommandError(f"scale test of cluster {state.name!r} failed: {e}\nFix the cause and rerun "
                            "`fsdpctl scale-test`.") from None

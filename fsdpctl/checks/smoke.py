@@ -113,7 +113,8 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
 def cmd_smoke(args) -> int:
     state = resolve(args.cluster)
     try:
-        report = run_smoke(state, skip=args.skip, steps=args.steps)
+        with state.operation("smoke"):
+            report = run_smoke(state, skip=args.skip, steps=args.steps)
     except CheckError as e:
         raise CommandError(f"smoke test of cluster {state.name!r} could not run: {e}") from None
     say(check_table(report["checks"]))

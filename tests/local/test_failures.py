@@ -47,7 +47,7 @@ def test_down_cleans_up_after_a_sigkilled_up(prerequisites, tmp_path):
     local = wait_until_nodes_started(home, name, proc)
     # a second `up` of the same cluster meanwhile is refused, and leaves the first one alone
     second = fsdpctl(home, "up", str(spec), "--target", "local", check=False)
-    assert second.returncode == 2 and "another fsdpctl up, down or replace is running" in second.stderr
+    assert second.returncode == 2 and "is busy: fsdpctl up (pid" in second.stderr
     assert proc.poll() is None
     proc.kill()
     proc.communicate()
