@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpoint.config import CheckpointConfig, CheckpointError
@@ -159,6 +160,10 @@ class CheckpointManager:
         tmp = final.with_name(final.name + TMP_SUFFIX)
 
         def prepare() -> None:
+            if not self.root.is_dir():  # deleted under a running job: saving again beats stopping it
+                self.log(f"checkpoint: WARNING {self.root} is gone (deleted while training?); recreating it, "
+                         "the checkpoints it held are lost")
+                self.root.mkdir(parents=True)
             for stale in interrupted_saves(self.root):
                 self.log(f"checkpoint: removing {stale} (left behind by an interrupted save; never loaded)")
                 shutil.rmtree(stale)
@@ -177,12 +182,31 @@ class CheckpointManager:
             self._collective_work = self._start(self._finish_save, step, tmp, final, started, blocking,
                                                 future)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
-                     no_dist=not self._group.distributed)
+            try:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
+                         no_dist=not self._group.distributed)
+                failure = None
+            except (Exception, CheckpointException) as exc:  # every rank gets here: DCP gathers errors
+                failure = f"writing its shards failed: {_first_line(exc)}"
             blocking = time.monotonic() - started
-            committed = self._commit(step, tmp, final, started, blocking)
+            committed = self._commit(step, tmp, final, started, blocking, failure)
             if committed is not None:
                 self._local_work = self._start(self._after_commit, committed)
+
+    def _space_hint(self) -> str:
+        """What a failed write most often means on a shared file system: it is full."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return ""
+        newest = next((p for p in sorted(self.root.glob("step_*"), reverse=True)
+                       if not p.name.endswith(TMP_SUFFIX)), None)
+        needed = sum(f.stat().st_size for f in newest.iterdir()) if newest else 0
+        if free >= max(needed, 1 << 20):
+            return ""
+        return (f" ({self.root} has {free / 1e6:.1f} MB free" + (f", a checkpoint needs about "
+                f"{needed / 1e6:.1f} MB" if needed else "") + "; free space there, lower "
+                "checkpoint.keep_last, or point checkpoint.dir at a larger file system)")
 
     def _trainer_state(self, extra: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -197,7 +221,9 @@ class CheckpointManager:
         def run() -> None:
             try:
                 target(*args)
-            except Exception as exc:  # surfaced by wait() on the caller's thread
+            # DCP's CheckpointException is a BaseException: caught here too, or a failed async save
+            # would end its thread silently and training would go on as if it had been saved
+            except (Exception, CheckpointException) as exc:  # surfaced by wait() on the caller's thread
                 self._errors.append(f"{type(exc).__name__}: {exc}")
 
         # Not a daemon: a process that exits without wait() still finishes committing its checkpoint.
@@ -210,8 +236,8 @@ class CheckpointManager:
         try:
             future.result()
             failure = None
-        except Exception as exc:
-            failure = f"rank {self.rank}: writing its shards failed: {type(exc).__name__}: {exc}"
+        except (Exception, CheckpointException) as exc:
+            failure = f"writing its shards failed: {_first_line(exc)}"
         committed = self._commit(step, tmp, final, started, blocking, failure)
         if committed is not None:
             self._after_commit(committed)
@@ -226,14 +252,18 @@ class CheckpointManager:
                 own = {file.name: {"sha256": sha256_file(file), "size": file.stat().st_size}
                        for file in rank_files(tmp, self.rank)}
             except OSError as exc:
-                failure = f"rank {self.rank}: hashing its files failed: {exc}"
+                failure = f"hashing its files failed: {exc}"
         gathered = self._group.gather((own, failure), self.rank, self.world_size)
         error = None
         if self.rank == 0:
-            failures = [failed for _, failed in gathered if failed]
+            by_failure: dict[str, list[str]] = {}
+            for rank, (_, failed) in enumerate(gathered):
+                if failed:
+                    by_failure.setdefault(failed, []).append(str(rank))
             try:
-                if failures:
-                    raise CheckpointError("; ".join(failures))
+                if by_failure:
+                    raise CheckpointError("; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(r)}: {f}"
+                                                    for f, r in by_failure.items()) + self._space_hint())
                 self._write_manifest_and_rename(step, tmp, final, [files for files, _ in gathered])
             except Exception as exc:
                 error = (f"checkpoint step {step} in {tmp} was not committed (the next save removes it): "
@@ -467,3 +497,12 @@ class CheckpointManager:
             self.log(f"checkpoint: resumed from {path} (step {step}) in {time.monotonic() - started:.2f}s")
         return step
 
+
+def _first_line(exc: BaseException) -> str:
+    """An exception as one line: DCP's CheckpointException carries every rank's whole traceback."""
+    text = str(exc).strip()
+    if isinstance(exc, CheckpointException):
+        # its text is "CheckpointException ranks:... Traceback ... (RANK n) ... LastError: message"
+        last = [line for line in text.splitlines() if line and not line.startswith((" ", "Traceback"))]
+        text = last[-1] if last else text
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
