@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdpctl import remote
-from fsdpctl.checks.torchrun import TorchrunJob
+from fsdpctl.checks.torchrun import TorchrunJob, stop_leftover_jobs
+from fsdpctl.console import Out
 from fsdpctl.state import ClusterState
 from infra.spec import ClusterSpec
 
@@ -72,12 +73,16 @@ class CheckContext:
                            interfaces=self.interfaces, **kwargs)
 
 
-def check_context(state: ClusterState, kind: str, *, steps: int) -> CheckContext:
+def check_context(state: ClusterState, kind: str, *, steps: int, out: Out) -> CheckContext:
     """A context for runs on every non-excluded node, with a fresh run dir (logs, report) under the
-    cluster's reports and a work dir on the nodes (shared when the cluster has a shared file system)."""
+    cluster's reports and a work dir on the nodes (shared when the cluster has a shared file system).
+    Jobs that an earlier, killed check left on the nodes are stopped first (the caller holds the
+    cluster's operation lock, so none of them can still be wanted)."""
     ranks = [n.rank for n in remote.cluster_nodes(state)]
     if not ranks:
         raise CheckError(f"cluster {state.name!r} has no (non-excluded) nodes: run `fsdpctl up` first")
+    for rank, pidfiles in stop_leftover_jobs(state, ranks).items():
+        out(f"node {rank}: stopped {len(pidfiles)} job(s) an earlier, interrupted run left behind")
     shared_dir = state.read().shared_dir
     run_dir = state.new_run_dir(kind)
     return CheckContext(state=state, spec=state.spec(), ranks=ranks, run_dir=run_dir,

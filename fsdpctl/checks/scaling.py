@@ -111,7 +111,7 @@ def run_scaling(state: ClusterState, *, steps: int = 20) -> dict[str, Any]:
     plots = plots_available()
     if not plots:
         _log(f"note: {PLOTS_MISSING}")
-    ctx = check_context(state, "scale-test", steps=steps)
+    ctx = check_context(state, "scale-test", steps=steps, out=_log)
     inventory = CheckResult("inventory")
     check_inventory(ctx, inventory)
     if inventory.status == "fail":

@@ -63,7 +63,7 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
     plots = plots_available()
     if not plots:
         out(f"note: {PLOTS_MISSING}")
-    ctx = check_context(state, "smoke", steps=steps or 20)
+    ctx = check_context(state, "smoke", steps=steps or 20, out=out)
     spec, record, ranks, work_dir = ctx.spec, state.read(), ctx.ranks, ctx.work_dir
     started = datetime.now(UTC).isoformat(timespec="seconds")
     results: list[CheckResult] = []

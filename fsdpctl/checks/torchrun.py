@@ -116,8 +116,40 @@ class TorchrunJob:
             return None
         rank = min(bad)
         what = "timed out" if bad[rank] == remote.TIMEOUT_RC else f"exited {bad[rank]}"
-        return (f"torchrun on node {rank} {what} (log {self.log_dir / f'{self.name}-node{rank}.log'}):\n"
+        return (self._unreachable_nodes()
+                + f"torchrun on node {rank} {what} (log {self.log_dir / f'{self.name}-node{rank}.log'}):\n"
                 + self.log_tail(rank))
+
+    def _unreachable_nodes(self) -> str:
+        """A node that no longer answers is the likely cause of every other node's failure (its peers
+        only see their collectives time out): name it first."""
+        answers = remote.run_all(self.state, "true", ranks=list(self.procs), timeout=NODE_TIMEOUT_S,
+                                 check=False)
+        nodes = {n.rank: n for n in remote.cluster_nodes(self.state, include_excluded=True)}
+        silent = [f"node {r} ({nodes[r].name}, {nodes[r].address})" for r, proc in sorted(answers.items())
+                  if proc.returncode]
+        if not silent:
+            return ""
+        return (f"{', '.join(silent)} does not answer over SSH: its network link or the node itself is "
+                "down (the others' collectives timed out waiting for it). ")
+
+
+LEFTOVER_JOBS = "/tmp/fsdp-*.pid"
+"""The pid files of every TorchrunJob's agents (`TorchrunJob.pidfile`)."""
+
+
+def stop_leftover_jobs(state: ClusterState, ranks: list[int]) -> dict[int, list[str]]:
+    """Stop the torchrun agents (and so their workers) that an earlier check left running: a SIGKILLed
+    `fsdpctl smoke` cannot stop its job, whose agent still holds the rendezvous port. Only call it
+    under the cluster's operation lock, when no other check can be running; returns the pid files
+    found, by rank (an unreachable node is left to the inventory check to report)."""
+    # the agent stops its workers on SIGTERM; wait for it (it holds the port), then SIGKILL
+    script = (f"for f in {LEFTOVER_JOBS}; do [ -f \"$f\" ] || continue; echo \"$f\"; pid=$(cat \"$f\"); "
+              "kill -TERM $pid 2>/dev/null; for i in $(seq 50); do kill -0 $pid 2>/dev/null || break; "
+              "sleep 0.2; done; kill -KILL $pid 2>/dev/null; rm -f \"$f\"; done")
+    results = remote.run_all(state, script, ranks=ranks, timeout=NODE_TIMEOUT_S, check=False)
+    return {rank: proc.stdout.split() for rank, proc in results.items()
+            if proc.returncode == 0 and proc.stdout.strip()}
 
 
 def read_remote_jsonl(state: ClusterState, rank: int, path: str) -> list[dict[str, Any]]:
