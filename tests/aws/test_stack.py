@@ -257,6 +257,18 @@ class RecordingStack(FakeStack):
     def info(self):
         return object() if self.existing else None
 
+    def refresh(self, **kwargs):
+        """What the engine reports for a cluster whose expiry schedule ran: the nodes are gone."""
+        from pulumi.automation import events
+
+        self.calls.append(("refresh", kwargs))
+        urn = "urn:pulumi:pf::fsdp-cluster::fsdp-cluster:index:Compute$aws:ec2/instance:Instance::pf-node0"
+        kwargs["on_event"](events.EngineEvent(1, 0, res_outputs_event=events.ResOutputsEvent(
+            events.StepEventMetadata(events.OpType.REFRESH, urn, "aws:ec2/instance:Instance", "p"))))
+        return auto.RefreshResult("", "", auto.UpdateSummary(
+            kind="refresh", start_time=None, message="", environment={}, config={}, result="succeeded",
+            end_time=None, version=1, deployment=None, resource_changes={"same": 30, "delete": 1}))
+
     def preview(self, **kwargs):
         self.calls.append(("preview", kwargs))
         kwargs["on_output"]("~ aws:ec2/instance:Instance pf-node0 update [diff: ~tags]\n")
@@ -294,7 +306,11 @@ def test_up_shows_the_plan_or_the_diff_with_its_cost_and_creates_nothing_without
     assert re.search(r"about [\d,]+\.\d\d USD per hour; its billed resources expire at 20\d\d-", question)
     if existing:
         assert question.startswith("Apply these changes to cluster pf")
-        assert fake.calls[0][0] == "preview" and fake.calls[0][1]["diff"] is True
+        # Refresh first (the expiry schedule deletes resources behind Pulumi's back), then the diff.
+        assert [name for name, _ in fake.calls] == ["refresh", "preview"]
+        assert fake.calls[1][1]["diff"] is True
+        assert "pulumi refresh: 1 resource(s) gone from AWS, 0 changed outside Pulumi" in text
+        assert "  gone:    aws:ec2/instance:Instance pf-node0" in text
         assert "pf-node0 update [diff: ~tags]" in text
     else:
         assert question.startswith("Create cluster pf on AWS") and not fake.calls
@@ -308,3 +324,12 @@ def test_lock_advice_names_the_projects_backend(fsdpctl_home, monkeypatch):
     advice = stack.cancel_advice("pf")
     backend = (fsdpctl_home / "pulumi").as_uri()
     assert advice.startswith(f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf")
+
+
+def test_refresh_findings_without_drift_and_with_changes():
+    assert stack.refresh_findings({"same": 12}, {}) == [
+        "pulumi refresh: the stack matches AWS (nothing changed outside Pulumi)"]
+    urn = "urn:pulumi:pf::fsdp-cluster::fsdp-cluster:index:Network$aws:ec2/natGateway:NatGateway::pf-nat"
+    lines = stack.refresh_findings({"update": 1}, {urn: "update"})
+    assert lines == ["pulumi refresh: 0 resource(s) gone from AWS, 1 changed outside Pulumi",
+                     "  changed: aws:ec2/natGateway:NatGateway pf-nat"]

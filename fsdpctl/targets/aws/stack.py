@@ -183,6 +183,66 @@ def _up_failed(spec: ClusterSpec, error: Exception) -> CommandError:
         f"`fsdpctl down --cluster {spec.name}`.")
 
 
+# ---- refresh -------------------------------------------------------------------------------------
+def _short(urn: str) -> str:
+    """`aws:ec2/instance:Instance demo-node0` from a URN."""
+    parts = urn.split("::")
+    return f"{parts[-2].split('$')[-1]} {parts[-1]}" if len(parts) >= 4 else urn
+
+
+def refresh_findings(summary_changes: Mapping[str, int] | None, drifted: Mapping[str, str]) -> list[str]:
+    """What `pulumi refresh` found, as lines: resources gone (terminated by the expiry schedule,
+    deleted by hand) and resources changed outside Pulumi."""
+    gone = sorted(urn for urn, op in drifted.items() if op == "delete")
+    changed = sorted(urn for urn, op in drifted.items() if op != "delete")
+    changes = dict(summary_changes or {})
+    if not gone and not changed and not changes.get("delete") and not changes.get("update"):
+        return ["pulumi refresh: the stack matches AWS (nothing changed outside Pulumi)"]
+    lines = [f"pulumi refresh: {len(gone) or changes.get('delete', 0)} resource(s) gone from AWS, "
+             f"{len(changed) or changes.get('update', 0)} changed outside Pulumi"]
+    lines += [f"  gone:    {_short(urn)}" for urn in gone]
+    lines += [f"  changed: {_short(urn)}" for urn in changed]
+    if gone:
+        lines.append("  `up` recreates what is gone (e.g. what the expiry schedule stopped)")
+    return lines
+
+
+def refresh(stack, spec: ClusterSpec, out: Out, *, what: str) -> list[str]:
+    """`pulumi refresh` before an update: reads every resource back from AWS so the preview and the
+    update start from what exists (the expiry schedule deletes billed resources behind Pulumi's
+    back). Prints and returns what it found."""
+    from pulumi import automation as auto
+    from pulumi.automation import events
+
+    drifted: dict[str, str] = {}
+
+    def on_event(event) -> None:
+        outputs = getattr(event, "res_outputs_event", None)
+        if outputs is None:
+            return
+        meta = outputs.metadata
+        op = str(getattr(meta.op, "value", meta.op))
+        if meta.op == events.OpType.REFRESH and meta.new is None:
+            op = "delete"
+        elif meta.op == events.OpType.REFRESH and meta.diffs:
+            op = "update"
+        if op in ("update", "delete"):
+            drifted[meta.urn] = op
+
+    out(f"pulumi refresh: reading stack {spec.name} back from AWS ...")
+    try:
+        result = stack.refresh(on_output=_progress(out), on_event=on_event, color="never")
+    except auto.errors.ConcurrentUpdateError as e:
+        raise _locked(spec, e, what) from None
+    except auto.errors.CommandError as e:
+        raise CommandError(f"pulumi refresh failed for cluster {spec.name}:\n{_tail(e)}\n"
+                           f"Nothing was changed. Fix the cause, then run `fsdpctl {what}` again.") from None
+    lines = refresh_findings(result.summary.resource_changes, drifted)
+    for line in lines:
+        out(line)
+    return lines
+
+
 # ---- up ------------------------------------------------------------------------------------------
 def _offline_cost(spec: ClusterSpec, expires_at: str | None, out: Out) -> float:
     """Print what a new stack will hold and cost (the offline plan); returns the known $/hour."""
@@ -218,6 +278,7 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
     if stack.info() is None:
         question = f"Create cluster {spec.name} on AWS (about {per_hour:,.2f} USD per hour{expiry})?"
     else:
+        refresh(stack, spec, out, what="up")
         out(f"pulumi preview: what `up` changes in the existing stack {spec.name}")
         try:
             stack.preview(diff=True, on_output=_progress(out), color="never")
