@@ -333,3 +333,37 @@ def test_refresh_findings_without_drift_and_with_changes():
     lines = stack.refresh_findings({"update": 1}, {urn: "update"})
     assert lines == ["pulumi refresh: 0 resource(s) gone from AWS, 1 changed outside Pulumi",
                      "  changed: aws:ec2/natGateway:NatGateway pf-nat"]
+
+
+class LockedStack:
+    """A stack another pulumi process holds: every operation fails as the CLI does (exit 255,
+    'the stack is currently locked')."""
+
+    def _locked(self, **kwargs):
+        raise auto.errors.ConcurrentUpdateError(auto.CommandResult(
+            stdout="", code=255, stderr="error: the stack is currently locked by 1 lock(s)"))
+
+    destroy = up = refresh = preview = _locked
+
+
+@pytest.mark.parametrize("verb", ["down", "replace 0"])
+def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_command(
+        fake_pulumi, fsdpctl_home, tmp_path, monkeypatch, verb):
+    monkeypatch.delenv("PULUMI_BACKEND_URL", raising=False)
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: LockedStack())
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
+    monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, nodes=[
+        {"rank": 0, "name": "pf-node0", "address": "10.0.0.1", "instance_id": "i-1"}])
+    with pytest.raises(UsageError) as err:
+        if verb == "down":
+            stack._destroy(spec, stack.pulumi_command(), out=lambda _: None)
+        else:
+            stack.replace_node(state, spec, 0, out=lambda _: None)
+    message = str(err.value)
+    backend = (fsdpctl_home / "pulumi").as_uri()
+    assert "another pulumi operation holds stack pf" in message
+    assert f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf --yes --cwd " in message
+    assert f"then run `fsdpctl {verb}` again" in message
