@@ -32,11 +32,20 @@ class InterfaceSlot:
     interface_type: str
 
 
-def efa_interface_layout(network_cards: int) -> list[InterfaceSlot]:
-    """The network interfaces of a node, as the EC2 user guide (EFA for accelerated instance types)
-    prescribes: card 0 carries the ENA primary interface (device 0, the node's IP) and an
-    `efa-only` interface (device 1); every other card one `efa-only` interface (device 0). One EFA
-    per network card: 4 on p4d/p4de, 32 on p5."""
+def efa_interface_layout(network_cards: int, layout: str = "basic") -> list[InterfaceSlot]:
+    """The network interfaces of a node, one EFA per network card, as the EC2 user guide
+    ("Maximize network bandwidth on Amazon EC2 instances with multiple network cards",
+    efa-acc-inst-types) prescribes:
+
+    - "basic" (p4d/p4de): card 0 carries the ENA primary interface (device 0, the node's IP) and an
+      `efa-only` interface (device 1); every other card one `efa-only` interface (device 0).
+    - "p5" (p5/p5e/p5en, section "EFA configuration for P5, P5e and P5en instances", use case 1:
+      one private IP, up to 3200 Gbps EFA): card 0 device 0 is an `efa` (EFA with ENA) interface,
+      the node's only IP; cards 1..N-1 carry an `efa-only` interface at device 1.
+    4 EFA on p4d/p4de, 32 on p5/p5e, 16 on p5en."""
+    if layout == "p5":
+        return [InterfaceSlot(0, 0, "efa")] + [InterfaceSlot(card, 1, "efa-only")
+                                                for card in range(1, network_cards)]
     slots = [InterfaceSlot(0, 0, "interface"), InterfaceSlot(0, 1, "efa-only")]
     slots += [InterfaceSlot(card, 0, "efa-only") for card in range(1, network_cards)]
     return slots
@@ -67,7 +76,7 @@ class Compute(pulumi.ComponentResource):
         spec = ctx.spec
         self.requested_ami = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
         self.placement_group_name = self._placement_group(ctx)
-        slots = efa_interface_layout(spec.instance.network_cards)
+        slots = efa_interface_layout(spec.instance.network_cards, spec.instance.efa_layout)
         self.efa_count = efa_count(slots)
         template = self._launch_template(ctx, slots, private_subnet_id, node_security_group_id,
                                          instance_profile_arn, key_name)

@@ -273,7 +273,8 @@ class ClusterSpec(_Model):
     """The one AZ of every node, subnet and file system. EFA does not cross AZs, so the cluster is
     single-AZ."""
     instance_type: str
-    """GPU instance type: `p4d.24xlarge`, `p4de.24xlarge`, `p5.48xlarge` or `p5en.48xlarge`
+    """GPU instance type: `p4d.24xlarge`, `p4de.24xlarge`, `p5.48xlarge`, `p5e.48xlarge` or
+    `p5en.48xlarge`
     (`infra/catalog.py`)."""
     node_count: int
     """Number of GPU nodes; ranks run 0 to node_count-1."""

@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from infra.components.compute import efa_interface_layout
 from infra.components.network import subnet_cidrs
 from infra.spec import BASTION_SSM_PARAMETERS, CLUSTER_TAG, DEFAULT_DLAMI_PARAMETER, EXPIRES_TAG, RANK_TAG
 from tests.infra.conftest import EXPIRES_AT, plan_of
@@ -149,19 +148,34 @@ def test_placement_group_can_be_turned_off():
 
 
 # ---- launch template --------------------------------------------------------------------------
-@pytest.mark.parametrize(("instance_type", "cards"), [("p4d.24xlarge", 4), ("p4de.24xlarge", 4),
-                                                       ("p5.48xlarge", 32)])
-def test_launch_template_has_one_efa_per_network_card(instance_type, cards):
+P5_LAYOUT_32 = [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, 32)]
+LAYOUTS = {
+    # The guide's basic layout: ENA primary + efa-only on card 0, efa-only at device 0 elsewhere.
+    "p4d.24xlarge": [(0, 0, "interface"), (0, 1, "efa-only"), (1, 0, "efa-only"), (2, 0, "efa-only"),
+                     (3, 0, "efa-only")],
+    "p4de.24xlarge": [(0, 0, "interface"), (0, 1, "efa-only"), (1, 0, "efa-only"), (2, 0, "efa-only"),
+                      (3, 0, "efa-only")],
+    # "EFA configuration for P5, P5e and P5en instances", use case 1: EFA with ENA at card 0 device
+    # 0 (the one IP), efa-only at device 1 of every other card.
+    "p5.48xlarge": P5_LAYOUT_32,
+    "p5e.48xlarge": P5_LAYOUT_32,
+    "p5en.48xlarge": [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, 16)],
+}
+
+
+@pytest.mark.parametrize("instance_type", list(LAYOUTS))
+def test_launch_template_efa_layout_per_instance_type(instance_type):
     plan = plan_of(instance_type=instance_type, node_count=2)
     nics = plan.mocks.one(LT).inputs["networkInterfaces"]
     layout = [(int(n["networkCardIndex"]), int(n["deviceIndex"]), n["interfaceType"]) for n in nics]
-    assert layout[:2] == [(0, 0, "interface"), (0, 1, "efa-only")]
-    assert layout[2:] == [(card, 0, "efa-only") for card in range(1, cards)]
-    assert sum(n["interfaceType"] in ("efa", "efa-only") for n in nics) == cards
-    assert len(nics) == cards + 1
+    assert layout == LAYOUTS[instance_type]
+    cards = {card for card, _, _ in layout}
+    assert cards == set(range(plan.spec.instance.network_cards))
+    efas = sum(n["interfaceType"] in ("efa", "efa-only") for n in nics)
+    assert efas == len(cards) == plan.spec.instance.efa_interfaces  # one EFA per network card
+    assert sum(n["interfaceType"] in ("efa", "interface") for n in nics) == 1  # one IP per node
     assert len({(n["networkCardIndex"], n["deviceIndex"]) for n in nics}) == len(nics)
-    assert [node["efa_count"] for node in plan.outputs["nodes"]] == [cards, cards]
-    assert len(efa_interface_layout(cards)) == cards + 1
+    assert [node["efa_count"] for node in plan.outputs["nodes"]] == [efas, efas]
 
 
 def test_launch_template_settings(demo_plan):
