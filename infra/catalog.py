@@ -50,6 +50,27 @@ def _load() -> dict[str, InstanceType]:
 CATALOG: dict[str, InstanceType] = _load()
 
 
+@dataclass(frozen=True)
+class Offerings:
+    """The dated table of which regions offer which type (infra/data/offerings.yaml)."""
+
+    as_of: str
+    source: str
+    prices: dict[str, dict[str, float | None]]  # type -> region -> on-demand USD/hour (None: no on-demand)
+
+    def regions(self, instance_type: str) -> list[str]:
+        return sorted(self.prices.get(instance_type, {}))
+
+    def offered(self, instance_type: str, region: str) -> bool:
+        return region in self.prices.get(instance_type, {})
+
+
+def offerings() -> Offerings:
+    data = yaml.safe_load(resources.files("infra").joinpath("data/offerings.yaml").read_text())
+    return Offerings(as_of=str(data["as_of"]), source=str(data["source"]),
+                     prices={t: dict(regions or {}) for t, regions in data["types"].items()})
+
+
 def nearest_instance_types(name: str, limit: int = 3) -> list[str]:
     """Known types closest to a misspelt one, best first (may be empty)."""
     return difflib.get_close_matches(name, list(CATALOG), n=limit, cutoff=0.4)

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from fsdpctl.errors import UsageError
+from infra.catalog import CATALOG, offerings
 from infra.offline import OfflinePlan, Registration
 from infra.spec import yaml_error_text
 
@@ -121,9 +122,23 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
     """Hourly cost of what the plan would create, read off the resource graph (not the spec), so
     the estimate prices exactly what `pulumi up` would build."""
     mocks, region = plan.mocks, plan.spec.region
-    table = (prices.get("regions") or {}).get(region) or {}
+    regions = prices.get("regions") or {}
+    fallback = prices.get("fallback_region")
+    table = regions.get(region)
+    borrowed = ""
+    if table is None and fallback in regions:
+        # Regions the offerings table covers but the service price list does not: the GPU price is
+        # the region's own (offerings), NAT/IPv4/EBS/FSx are the fallback region's rates.
+        table, borrowed = regions[fallback], f"{fallback} rate; {region} may differ"
+    table = table or {}
     hours_per_month = float(prices.get("hours_per_month", 730))
-    instance_hour = table.get("instance_hour") or {}
+    region_offerings = {itype: hourly for itype, by_region in offerings().prices.items()
+                        for r, hourly in by_region.items() if r == region and hourly is not None}
+    small = {}  # the bastion's type at the fallback region's rate
+    if borrowed:
+        small = {itype: hourly for itype, hourly in (table.get("instance_hour") or {}).items()
+                 if itype not in CATALOG}
+    instance_hour = {**small, **region_offerings, **(regions.get(region) or {}).get("instance_hour", {})}
     missing = f"not in the price table for {region}; pass --prices FILE"
     lines: list[CostLine] = []
 
@@ -149,7 +164,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 1,
                 "instance-hour",
                 price(instance_hour.get(itype)),
-                "" if itype in instance_hour else missing,
+                (borrowed if itype in small else "") if itype in instance_hour else missing,
             )
         )
         ebs_gib += float((instance.inputs.get("rootBlockDevice") or {}).get("volumeSize") or 0)
@@ -193,7 +208,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 nat_count,
                 "gateway-hour",
                 price(table.get("nat_gateway_hour")),
-                "plus per-GB data processing",
+                "plus per-GB data processing" + (f" ({borrowed})" if borrowed else ""),
             )
         )
     public_ips = len(mocks.of_type("aws:ec2/eip:Eip")) + sum(
@@ -201,7 +216,8 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
     )
     if public_ips:
         lines.append(
-            CostLine("public IPv4 address", public_ips, "address-hour", price(table.get("public_ipv4_hour")))
+            CostLine("public IPv4 address", public_ips, "address-hour", price(table.get("public_ipv4_hour")),
+                     borrowed)
         )
     if ebs_gib:
         gp3 = table.get("ebs_gp3_gib_month")
@@ -211,7 +227,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 ebs_gib,
                 "GiB-hour",
                 None if gp3 is None else price(gp3) / hours_per_month,
-                "" if gp3 is not None else missing,
+                borrowed if gp3 is not None else missing,
             )
         )
     for lustre in mocks.of_type("aws:fsx/lustreFileSystem:LustreFileSystem"):
@@ -226,7 +242,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 gib,
                 "GiB-hour",
                 None if tier is None else price(tier) / hours_per_month,
-                "" if tier is not None else missing,
+                borrowed if tier is not None else missing,
             )
         )
     return CostEstimate(

@@ -408,5 +408,12 @@ class ClusterSpec(_Model):
                        "bootstrap, FSx, data loading) will be slower.")
         if self.expiry_hours is None:
             out.append("expiry_hours is null: nothing stops a forgotten cluster from billing.")
+        table = catalog.offerings()
+        if not table.offered(self.instance_type, self.region):
+            out.append(
+                f"region: {self.instance_type} is not offered in {self.region} according to the "
+                f"offerings table of {table.as_of} (infra/data/offerings.yaml); it is offered in "
+                f"{', '.join(table.regions(self.instance_type))}. `pulumi up` would fail there unless "
+                "AWS added it since: pick one of those regions, or check with `fsdpctl preflight`.")
         return out
 

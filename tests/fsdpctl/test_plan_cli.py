@@ -86,9 +86,40 @@ def test_spot_capacity_blocks_and_missing_regions_are_not_priced_as_on_demand():
     block_plan = plan_of(capacity={"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"})
     block = estimate_cost(block_plan, prices)
     assert next(c for c in block.lines if "capacity block" in c.item).unit_price is None
-    faraway = estimate_cost(plan_of(region="ap-southeast-2", availability_zone="ap-southeast-2a"), prices)
-    node_line = next(c for c in faraway.lines if "p4d" in c.item)
+    # A region the offerings table lacks for this type: no made-up price.
+    nowhere = estimate_cost(plan_of(region="af-south-1", availability_zone="af-south-1a"), prices)
+    node_line = next(c for c in nowhere.lines if "p4d" in c.item)
     assert node_line.unit_price is None and "--prices" in node_line.note
+
+
+def test_every_region_of_the_offerings_table_is_priced():
+    """The GPU price is the region's own (offerings table); NAT, IPv4, EBS and the bastion borrow
+    the fallback region's rates and say so."""
+    from infra.catalog import offerings
+
+    prices, table = load_prices(), offerings()
+    far = estimate_cost(plan_of(region="ap-southeast-2", availability_zone="ap-southeast-2a"), prices)
+    node_line = next(c for c in far.lines if "p4d" in c.item)
+    assert node_line.unit_price == table.prices["p4d.24xlarge"]["ap-southeast-2"] == 28.54493
+    nat = next(c for c in far.lines if c.item == "NAT gateway")
+    assert nat.unit_price == prices["regions"]["us-east-1"]["nat_gateway_hour"]
+    assert "us-east-1 rate; ap-southeast-2 may differ" in nat.note
+    for itype, regions in table.prices.items():
+        for region, hourly in regions.items():
+            cost = estimate_cost(plan_of(instance_type=itype, node_count=1, region=region,
+                                         availability_zone=f"{region}a"), prices)
+            assert cost.complete is (hourly is not None), (itype, region)
+            assert cost.per_hour > (hourly or 0)
+
+
+def test_plan_warns_about_a_type_the_region_does_not_offer():
+    plan = plan_of(instance_type="p5.48xlarge", node_count=2, region="af-south-1",
+                   availability_zone="af-south-1a")
+    (warning,) = [w for w in plan.spec.warnings() if w.startswith("region:")]
+    assert "p5.48xlarge is not offered in af-south-1 according to the offerings table of 20" in warning
+    assert "us-east-1" in warning and "fsdpctl preflight" in warning
+    assert not [w for w in plan_of(instance_type="p5.48xlarge", node_count=2).spec.warnings()
+                if w.startswith("region:")]
 
 
 def test_fsx_is_priced_per_gib_month_of_its_tier():
