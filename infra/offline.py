@@ -46,6 +46,19 @@ def placeholder(resource_name: str, attribute: str) -> str:
     return f"<{resource_name}.{attribute}>"
 
 
+def region_partition(region: str) -> tuple[str, str]:
+    """What aws.get_partition answers for a region: (partition, reverse DNS prefix)."""
+    if region.startswith("cn-"):
+        return "aws-cn", "cn.com.amazonaws"
+    if region.startswith("us-gov-"):
+        return "aws-us-gov", "com.amazonaws"
+    if region.startswith("us-isob-"):
+        return "aws-iso-b", "gov.sgov.sc2s"
+    if region.startswith("us-iso-"):
+        return "aws-iso", "gov.ic.c2s"
+    return "aws", "com.amazonaws"
+
+
 def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     """Attributes AWS assigns at creation, as placeholders."""
     state: dict[str, Any] = {
@@ -73,10 +86,13 @@ class RecordingMocks:
         self.registrations: list[Registration] = []
         self.lookups: list[Lookup] = []
         self.by_id: dict[str, Registration] = {}
+        self.region = "us-east-1"  # the explicit provider's, once registered
 
     # The pulumi.runtime.Mocks interface, duck-typed so this module imports pulumi only when planning.
     def new_resource(self, args: Any) -> tuple[str | None, dict[str, Any]]:
         custom = bool(args.custom)
+        if args.typ == "pulumi:providers:aws" and args.inputs.get("region"):
+            self.region = args.inputs["region"]
         resource_id = placeholder(args.name, "id") if custom else None
         record = Registration(
             type=args.typ, name=args.name, inputs=dict(args.inputs), custom=custom, id=resource_id
@@ -96,6 +112,10 @@ class RecordingMocks:
                 "type": "String",
                 "value": f"<AMI from SSM {args.args['name']}>",
             }
+        if args.token == "aws:index/getPartition:getPartition":
+            partition, prefix = region_partition(self.region)
+            return {"id": partition, "partition": partition, "reverseDnsPrefix": prefix,
+                    "dnsSuffix": "amazonaws.com.cn" if partition == "aws-cn" else "amazonaws.com"}
         if args.token == "aws:ec2/getAmi:getAmi":
             return {"rootDeviceName": "<root device of the AMI>"}
         return {}

@@ -68,7 +68,9 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
     values), keyed as OUTPUT_NAMES."""
     expiry = parse_expires_at(expires_at, spec)
     provider = aws.Provider(f"{spec.name}-aws", region=spec.region)
-    ctx = ClusterContext(spec=spec, expires_at=expires_at if expiry else None, provider=provider)
+    partition = aws.get_partition(opts=pulumi.InvokeOptions(provider=provider))
+    ctx = ClusterContext(spec=spec, expires_at=expires_at if expiry else None, provider=provider,
+                         partition=partition.partition, reverse_dns_prefix=partition.reverse_dns_prefix)
     opts = pulumi.ResourceOptions(providers=[provider])
 
     network = Network(ctx, opts=opts)

@@ -15,7 +15,10 @@ from infra.components.context import COMPONENT_PREFIX, ClusterContext, child_opt
 from infra.components.identity import assume_role_policy
 from infra.spec import CLUSTER_TAG
 
-TERMINATE_TARGET = "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
+
+def sdk_target(ctx: ClusterContext, service: str, action: str) -> str:
+    """A Scheduler universal target (arn:<partition>:scheduler:::aws-sdk:<service>:<action>)."""
+    return f"arn:{ctx.partition}:scheduler:::aws-sdk:{service}:{action}"
 
 
 def schedule_group_name(cluster_name: str) -> str:
@@ -64,7 +67,7 @@ class Expiry(pulumi.ComponentResource):
             schedule_expression_timezone="UTC",
             flexible_time_window={"mode": "OFF"},
             target={
-                "arn": TERMINATE_TARGET,
+                "arn": sdk_target(ctx, "ec2", "terminateInstances"),
                 "role_arn": role.arn,
                 "input": pulumi.Output.all(*instance_ids).apply(
                     lambda ids: json.dumps({"InstanceIds": list(ids)})),

@@ -83,7 +83,7 @@ class Network(pulumi.ComponentResource):
                                       route_table_id=private_routes.id, opts=opts)
         aws.ec2.VpcEndpoint(
             ctx.resource_name("s3"), vpc_id=vpc.id, vpc_endpoint_type="Gateway",
-            service_name=f"com.amazonaws.{spec.region}.s3",
+            service_name=f"{ctx.reverse_dns_prefix}.{spec.region}.s3",
             route_table_ids=[private_routes.id, public_routes.id],
             tags=ctx.tags_named("s3"), opts=opts)
         self.vpc_id = vpc.id

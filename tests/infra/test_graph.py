@@ -195,3 +195,37 @@ def test_pulumi_project_file():
     assert project["name"] == "fsdp-cluster"
     assert project["runtime"] == {"name": "python", "options": {"toolchain": "pip", "virtualenv": ".venv"}}
     assert project["main"] == "infra/" and (REPO / "infra" / "__main__.py").is_file()
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+@pytest.mark.parametrize(("region", "partition", "s3_service"), [
+    ("us-gov-west-1", "aws-us-gov", "com.amazonaws.us-gov-west-1.s3"),
+    ("cn-north-1", "aws-cn", "cn.com.amazonaws.cn-north-1.s3"),
+    ("us-east-1", "aws", "com.amazonaws.us-east-1.s3"),
+])
+def test_arns_and_service_names_come_from_the_regions_partition(region, partition, s3_service):
+    plan = plan_of(region=region, availability_zone=f"{region}a")
+    assert any(lk.token == "aws:index/getPartition:getPartition" for lk in plan.mocks.lookups)
+    arns = [s for r in plan.mocks.resources for s in _strings(r.inputs) if s.startswith("arn:")]
+    arns += [arn for r in plan.mocks.resources if r.type == "aws:iam/rolePolicy:RolePolicy"
+             for statement in json.loads(r.inputs["policy"])["Statement"]
+             for arn in ([statement["Resource"]] if isinstance(statement["Resource"], str)
+                         else statement["Resource"]) if arn.startswith("arn:")]
+    assert arns and all(arn.startswith(f"arn:{partition}:") for arn in arns), arns
+    endpoint = plan.mocks.one("aws:ec2/vpcEndpoint:VpcEndpoint")
+    assert endpoint.inputs["serviceName"] == s3_service
+
+
+def test_no_hard_coded_partition_in_the_program():
+    sources = [p.read_text() for p in (REPO / "infra").rglob("*.py")]
+    assert not [s for s in sources if '"arn:aws:' in s or "'arn:aws:" in s or "f\"arn:aws:" in s]
