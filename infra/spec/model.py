@@ -193,7 +193,8 @@ class Image(_Model):
 
 class CheckpointBucket(_Model):
     retention_days: int = 7
-    """Checkpoints (and their noncurrent versions) expire after this many days. At least 1."""
+    """Every byte of a checkpoint is deleted within this many days: current for days - 1, then 1
+    day as a noncurrent version (1 means at most 2 days). At least 1."""
     name: str | None = None
     """An explicit bucket name; empty means `<name>-checkpoints-` plus a unique suffix AWS assigns.
     The bucket is versioned, encrypted (SSE-S3, bucket key), blocks all public access, and is the

@@ -290,10 +290,14 @@ def test_checkpoint_bucket_is_private_versioned_encrypted_and_expires_after_rete
     sse = m.one("aws:s3/bucketServerSideEncryptionConfiguration:"
                 "BucketServerSideEncryptionConfiguration").inputs
     assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] in ("AES256", "aws:kms")
-    [rule] = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]
-    assert rule["status"] == "Enabled"
-    assert rule["expiration"]["days"] == 14.0
-    assert rule["noncurrentVersionExpiration"]["noncurrentDays"] == 14.0
+    rule, markers = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]
+    assert rule["status"] == markers["status"] == "Enabled"
+    # Every byte is gone within retention_days: 13 days current + 1 day noncurrent.
+    assert rule["expiration"]["days"] + rule["noncurrentVersionExpiration"]["noncurrentDays"] == 14.0
+    assert rule["noncurrentVersionExpiration"]["noncurrentDays"] == 1.0
+    assert rule["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1.0
+    assert rule["filter"] == markers["filter"] == {"prefix": ""}
+    assert markers["expiration"] == {"expiredObjectDeleteMarker": True}
     assert plan.outputs["checkpoint_bucket"].startswith("demo-checkpoints-")
 
 
@@ -410,3 +414,15 @@ def test_provider_is_pinned_to_the_spec_region():
     plan = plan_of(region="us-west-2", availability_zone="us-west-2a")
     assert plan.mocks.one("pulumi:providers:aws").inputs["region"] == "us-west-2"
     assert {s.inputs["availabilityZone"] for s in plan.mocks.of_type(SUBNET)} == {"us-west-2a"}
+
+
+@pytest.mark.parametrize("retention", [1, 2, 7, 30])
+def test_no_byte_outlives_the_retention_promise(retention):
+    """Worst case per byte, S3 semantics: a version written on day 0 is current until day
+    `current` (or until overwritten, earlier), then noncurrent for `noncurrent` days."""
+    from infra.components.storage import lifecycle_days
+
+    current, noncurrent = lifecycle_days(retention)
+    assert current >= 1 and noncurrent >= 1
+    for overwritten_on in range(current + 1):  # overwritten on day k, or expired on day `current`
+        assert overwritten_on + noncurrent <= max(retention, 2)
