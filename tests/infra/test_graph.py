@@ -229,3 +229,43 @@ def test_arns_and_service_names_come_from_the_regions_partition(region, partitio
 def test_no_hard_coded_partition_in_the_program():
     sources = [p.read_text() for p in (REPO / "infra").rglob("*.py")]
     assert not [s for s in sources if '"arn:aws:' in s or "'arn:aws:" in s or "f\"arn:aws:" in s]
+
+
+# Ports of the services other roles run on the nodes: slurmctld 6817, slurmd 6818, slurmdbd 6819,
+# Prometheus 9090, node exporter 9100, DCGM exporter 9400. MUNGE itself listens on a local Unix
+# socket only (its credentials travel inside Slurm's RPCs on 6817-6819), so it has no port of its own.
+CLUSTER_ONLY_PORTS = {"slurmctld": 6817, "slurmd": 6818, "slurmdbd": 6819, "prometheus": 9090,
+                      "node-exporter": 9100, "dcgm-exporter": 9400}
+
+
+def _covers(rule: dict, port: int) -> bool:
+    if rule["protocol"] in ("-1", "all"):
+        return True
+    return rule["protocol"] in ("tcp", "6") and int(rule["fromPort"]) <= port <= int(rule["toPort"])
+
+
+def test_cluster_service_ports_are_reachable_only_from_the_cluster_group(variant):
+    name, plan = variant
+    spec = plan.spec
+    groups = plan.mocks.of_type("aws:ec2/securityGroup:SecurityGroup")
+    node_group = plan.mocks.named(f"{spec.name}-efa", "aws:ec2/securityGroup:SecurityGroup")
+    for service, port in CLUSTER_ONLY_PORTS.items():
+        # Reachable inside the cluster: a self-referencing rule of the node group covers the port.
+        assert any(rule.get("self") and _covers(rule, port) for rule in node_group.inputs["ingress"]), \
+            (name, service)
+        for group in groups:
+            for rule in group.inputs.get("ingress") or []:
+                if not _covers(rule, port):
+                    continue
+                # Nothing from an address range (0.0.0.0/0, ssh_cidr, IPv6), nor from another group.
+                assert group is node_group and rule.get("self"), (name, service, group.name, rule)
+                assert not rule.get("cidrBlocks") and not rule.get("ipv6CidrBlocks"), (name, service)
+                assert not rule.get("securityGroups"), (name, service, rule)
+    # And the only port open to ssh_cidr anywhere is 22.
+    for group in groups:
+        for rule in group.inputs.get("ingress") or []:
+            if rule.get("cidrBlocks"):
+                assert rule["cidrBlocks"] == [spec.ssh_cidr], (name, group.name, rule)
+                assert (rule["protocol"], rule["fromPort"], rule["toPort"]) == ("tcp", 22.0, 22.0)
+    assert not plan.mocks.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+    assert not plan.mocks.of_type("aws:ec2/securityGroupRule:SecurityGroupRule")
