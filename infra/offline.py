@@ -30,6 +30,9 @@ class Registration:
     id: str | None
     urn: str | None = None
     component: str | None = None  # the enclosing ComponentResource type, from the URN
+    # Resource options the engine would apply (from the registration request).
+    ignore_changes: list[str] = field(default_factory=list)
+    retain_on_delete: bool = False
 
     @property
     def tags(self) -> dict[str, str]:
@@ -65,7 +68,10 @@ def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, An
         "arn": placeholder(name, "arn"),
         "name": inputs.get("name") or placeholder(name, "name"),
     }
-    if typ == "aws:ec2/instance:Instance":
+    if typ == "aws:ec2/launchTemplate:LaunchTemplate":
+        state["latestVersion"] = 1
+        state["defaultVersion"] = 1
+    elif typ == "aws:ec2/instance:Instance":
         state["privateIp"] = placeholder(name, "private_ip")
         state["publicIp"] = placeholder(name, "public_ip") if inputs.get("associatePublicIpAddress") else None
     elif typ == "aws:ec2/eip:Eip":
@@ -171,6 +177,7 @@ def run_offline(
     *,
     mocks: RecordingMocks | None = None,
     project: str = "fsdp-cluster",
+    retemplate: frozenset[int] = frozenset(),
 ) -> OfflinePlan:
     """Run the Pulumi program under the recording mocks; return the graph and the resolved stack
     outputs. Given a raw mapping instead of a ClusterSpec, the program validates it itself, exactly
@@ -182,11 +189,23 @@ def run_offline(
     # pulumi_aws is slow to import: only when planning.
     from infra.program import build_cluster, build_from_config
 
+    class RecordingMonitor(MockMonitor):
+        """Pulumi's mock monitor, also keeping the options of each registration (ignoreChanges,
+        retainOnDelete), which the Mocks interface does not see."""
+
+        options: dict[tuple[str, str], tuple[list[str], bool]] = {}
+
+        def RegisterResource(self, request):  # noqa: N802 (the gRPC method name)
+            self.options[(request.type, request.name)] = (list(request.ignoreChanges),
+                                                          bool(request.retainOnDelete))
+            return super().RegisterResource(request)
+
     mocks = mocks or RecordingMocks()
-    monitor = MockMonitor(mocks)
+    monitor = RecordingMonitor(mocks)
+    monitor.options = {}
     outputs: dict[str, Any] = {}
     if isinstance(spec, ClusterSpec):
-        stack, build = spec.name, lambda: build_cluster(spec, expires_at)
+        stack, build = spec.name, lambda: build_cluster(spec, expires_at, retemplate=retemplate)
     else:
         stack, build = str(spec.get("name") or "stack"), lambda: build_from_config(spec, expires_at)
     loop = asyncio.new_event_loop()
@@ -204,6 +223,8 @@ def run_offline(
     for record in mocks.registrations:
         record.urn = urns.get((record.type, record.name))
         record.component = _component_of(record.urn) if record.urn else None
+        record.ignore_changes, record.retain_on_delete = monitor.options.get(
+            (record.type, record.name), ([], False))
     parsed = spec if isinstance(spec, ClusterSpec) else parse_spec(spec)
     return OfflinePlan(spec=parsed, expires_at=expires_at, mocks=mocks, outputs=outputs)
 

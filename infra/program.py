@@ -27,6 +27,9 @@ from infra.spec import PULUMI_CONFIG_KEY, ClusterSpec, Problem, SpecError, parse
 
 PROJECT = "fsdp-cluster"
 EXPIRES_AT_KEY = f"{PROJECT}:expiresAt"
+# Ranks whose node takes the launch template's current version in this run (set by
+# `fsdpctl replace RANK` for its one `pulumi up --replace`; absent otherwise).
+RETEMPLATE_KEY = f"{PROJECT}:retemplate"
 OUTPUT_NAMES = (
     "nodes", "bastion_public_ip", "ssh_user", "checkpoint_bucket", "fsx_dns_name", "fsx_mount_name",
     "placement_group", "security_group_id", "vpc_id", "private_subnet_id", "ami_id", "key_name",
@@ -63,7 +66,8 @@ def expiry_time(spec: ClusterSpec, now: datetime | None = None) -> str | None:
     return (start + timedelta(hours=spec.expiry_hours)).isoformat().replace("+00:00", "Z")
 
 
-def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
+def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
+                  retemplate: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Register every resource of the cluster and return the stack outputs (Outputs and plain
     values), keyed as OUTPUT_NAMES."""
     expiry = parse_expires_at(expires_at, spec)
@@ -81,7 +85,8 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
         ctx, private_subnet_id=network.private_subnet_id, public_subnet_id=network.public_subnet_id,
         node_security_group_id=security.node_security_group_id,
         bastion_security_group_id=security.bastion_security_group_id,
-        instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name, opts=opts)
+        instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name,
+        retemplate=retemplate, opts=opts)
     if expiry is not None:
         Expiry(ctx, expiry, [node.id for node in compute.nodes], opts=opts)
 
@@ -113,18 +118,25 @@ def node_urn(stack: str, spec: ClusterSpec, rank: int) -> str:
             f"{spec.node_name(rank)}")
 
 
-def build_from_config(cluster: Any, expires_at: str | None) -> dict[str, Any]:
+def build_from_config(cluster: Any, expires_at: str | None, retemplate: Any = None) -> dict[str, Any]:
     """Validate the stack config object into a spec, then build the cluster. Every problem is
     raised as one SpecError before the first resource is registered."""
     spec = parse_spec(cluster, source=f"stack config {PULUMI_CONFIG_KEY}")
-    return build_cluster(spec, expires_at)
+    ranks = retemplate or []
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and 0 <= r < spec.node_count
+                                              for r in ranks):
+        raise SpecError([Problem(RETEMPLATE_KEY, retemplate, "is not a list of node ranks",
+                                 f"use ranks 0..{spec.node_count - 1}, e.g. [0], or remove the key")],
+                        "stack config")
+    return build_cluster(spec, expires_at, retemplate=frozenset(ranks))
 
 
 def run_stack() -> None:
     """The body of infra/__main__.py: config -> spec -> resources -> stack outputs."""
     config = pulumi.Config(PROJECT)
     try:
-        outputs = build_from_config(config.require_object("cluster"), config.get("expiresAt"))
+        outputs = build_from_config(config.require_object("cluster"), config.get("expiresAt"),
+                                    config.get_object("retemplate"))
     except SpecError as e:
         # A clean error listing every problem, instead of a Python traceback.
         raise pulumi.RunError(str(e)) from None

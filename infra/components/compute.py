@@ -21,7 +21,8 @@ from infra.spec import BASTION_SSM_PARAMETERS, RANK_TAG, CapacityType
 # instance metadata; raise to 2 if training runs in containers that need the node role.
 IMDS_HOP_LIMIT = 1
 BASTION_ROOT_GIB = 10
-LAUNCH_TEMPLATE_VERSION = "$Default"
+# The node property that pins its launch template version (ignored after creation; see Compute).
+NODE_TEMPLATE_PROPERTY = "launchTemplate"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
 
 
@@ -71,6 +72,7 @@ class Compute(pulumi.ComponentResource):
                  public_subnet_id: pulumi.Input[str] | None, node_security_group_id: pulumi.Input[str],
                  bastion_security_group_id: pulumi.Input[str] | None,
                  instance_profile_arn: pulumi.Input[str], key_name: pulumi.Input[str] | None,
+                 retemplate: frozenset[int] = frozenset(),
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
         spec = ctx.spec
@@ -82,14 +84,20 @@ class Compute(pulumi.ComponentResource):
                                          instance_profile_arn, key_name)
         # The AMI the nodes actually run (pinned in the template; see _launch_template).
         self.ami_id = template.image_id
+        # Each node records the template version it was created with (the number, not "$Default"
+        # or "$Latest", which would hide which nodes run what). Changes to it are ignored
+        # afterwards: a template change (new AMI, volume size, EFA layout) creates a new template
+        # version but replaces no running node. It reaches a node only through an explicit
+        # `fsdpctl replace RANK`, which names the rank in `retemplate` for that one run, or on
+        # nodes created later (scale-up, a fresh cluster).
+        version = template.latest_version.apply(str)
         self.nodes = [
             aws.ec2.Instance(
                 spec.node_name(rank),
-                # "$Default" (kept current by update_default_version): a template change does not
-                # replace running nodes; a node created later (scale-up, `fsdpctl replace`) gets it.
-                launch_template={"id": template.id, "version": LAUNCH_TEMPLATE_VERSION},
+                launch_template={"id": template.id, "version": version},
                 tags={**ctx.tags, RANK_TAG: str(rank), "Name": spec.node_name(rank)},
-                opts=child_options(self))
+                opts=child_options(self, ignore_changes=[] if rank in retemplate
+                                   else [NODE_TEMPLATE_PROPERTY]))
             for rank in range(spec.node_count)
         ]
         self.bastion_public_ip = None

@@ -345,12 +345,22 @@ class LockedStack:
 
     destroy = up = refresh = preview = _locked
 
+    def __init__(self):
+        self.config = {}
+
+    def set_config(self, key, value):
+        self.config[key] = value.value
+
+    def remove_config(self, key):
+        self.config.pop(key)
+
 
 @pytest.mark.parametrize("verb", ["down", "replace 0"])
 def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_command(
         fake_pulumi, fsdpctl_home, tmp_path, monkeypatch, verb):
     monkeypatch.delenv("PULUMI_BACKEND_URL", raising=False)
-    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: LockedStack())
+    locked = LockedStack()
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: locked)
     monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
     monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
     spec = make_spec()
@@ -367,3 +377,27 @@ def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_comm
     assert "another pulumi operation holds stack pf" in message
     assert f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf --yes --cwd " in message
     assert f"then run `fsdpctl {verb}` again" in message
+    assert locked.config == {}  # replace's one-run retemplate key is removed again
+
+
+def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulumi, fsdpctl_home, tmp_path,
+                                                                        monkeypatch):
+    from infra.program import RETEMPLATE_KEY, node_urn
+
+    class FailingUp(LockedStack):
+        def up(self, **kwargs):
+            self.seen = (dict(self.config), kwargs["replace"])
+            raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr="boom", code=1))
+
+    fake = FailingUp()
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: fake)
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
+    monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
+    spec = make_spec(node_count=2)
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, nodes=[
+        {"rank": r, "name": f"pf-node{r}", "address": f"10.0.0.{r}", "instance_id": f"i-{r}"} for r in (0, 1)])
+    with pytest.raises(CommandError, match="pulumi up failed"):
+        stack.replace_node(state, spec, 1, out=lambda _: None)
+    assert fake.seen == ({RETEMPLATE_KEY: "[1]"}, [node_urn(spec.name, spec, 1)])
+    assert fake.config == {}

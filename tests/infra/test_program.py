@@ -426,3 +426,32 @@ def test_no_byte_outlives_the_retention_promise(retention):
     assert current >= 1 and noncurrent >= 1
     for overwritten_on in range(current + 1):  # overwritten on day k, or expired on day `current`
         assert overwritten_on + noncurrent <= max(retention, 2)
+
+
+def test_nodes_pin_their_template_version_and_ignore_later_template_changes(demo_plan):
+    template = demo_plan.mocks.one(LT)
+    for node in nodes(demo_plan):
+        # The number the template had when the node was created, not "$Default"/"$Latest".
+        assert node.inputs["launchTemplate"] == {"id": template.id, "version": "1"}
+        assert node.ignore_changes == ["launchTemplate"]
+    assert template.inputs["updateDefaultVersion"] is True
+
+
+def test_replace_takes_the_current_template_for_its_rank_only():
+    from infra.offline import run_offline
+    from infra.spec import parse_spec
+    from tests.infra.conftest import demo_data
+
+    plan = run_offline(parse_spec(demo_data()), EXPIRES_AT, retemplate=frozenset({2}))
+    assert {int(n.tags[RANK_TAG]): n.ignore_changes for n in nodes(plan)} == {
+        0: ["launchTemplate"], 1: ["launchTemplate"], 2: [], 3: ["launchTemplate"]}
+
+
+@pytest.mark.parametrize("bad", [[7], ["0"], "1", [-1]])
+def test_retemplate_config_must_name_ranks(bad):
+    from infra.program import RETEMPLATE_KEY, build_from_config
+    from infra.spec import SpecError
+    from tests.infra.conftest import demo_data
+
+    with pytest.raises(SpecError, match=rf"{RETEMPLATE_KEY}.*use ranks 0..3"):
+        build_from_config(demo_data(), EXPIRES_AT, bad)

@@ -403,7 +403,7 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     instance id and address are recorded."""
     from pulumi import automation as auto
 
-    from infra.program import node_urn
+    from infra.program import RETEMPLATE_KEY, node_urn
 
     record = state.read()
     node = next(n for n in record.nodes if n.rank == rank)
@@ -421,14 +421,19 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     if failures:
         raise CommandError(f"could not terminate {node.instance_id}: {failures[0][1]}; "
                            f"run `fsdpctl replace {rank}` again")
-    out(f"pulumi up --replace {node.name} ...")
+    out(f"pulumi up --replace {node.name} (with the launch template's current version) ...")
     started = time.monotonic()
+    # The nodes ignore template changes (infra/components/compute.py); this one run lets the
+    # replaced rank take the current template version, every other node keeps its own.
+    stack.set_config(RETEMPLATE_KEY, auto.ConfigValue(json.dumps([rank])))
     try:
         result = stack.up(replace=[node_urn(spec.name, spec, rank)], on_output=_progress(out), color="never")
     except auto.errors.ConcurrentUpdateError as e:
         raise _locked(spec, e, f"replace {rank}") from None
     except auto.errors.CommandError as e:
         raise _up_failed(spec, e) from None
+    finally:
+        stack.remove_config(RETEMPLATE_KEY)
     _record_outputs(state, spec, result, Path(record.ssh.key_file))
     _forget_host(state.known_hosts, node.address)
     new = next(n for n in state.read().nodes if n.rank == rank)
