@@ -80,6 +80,15 @@ def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, An
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
         state["dnsName"] = placeholder(name, "dns_name")
         state["mountName"] = placeholder(name, "mount_name")
+    elif typ == "time:index/offset:Offset":
+        # pulumiverse-time: the base time (now, when not given) plus the offset, fixed at creation.
+        from datetime import UTC, datetime, timedelta
+
+        base = inputs.get("baseRfc3339") or datetime.now(UTC).replace(microsecond=0).isoformat()
+        when = datetime.fromisoformat(base.replace("Z", "+00:00")) + timedelta(
+            hours=float(inputs.get("offsetHours") or 0), minutes=float(inputs.get("offsetMinutes") or 0))
+        state["baseRfc3339"] = base.replace("+00:00", "Z")
+        state["rfc3339"] = when.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
     elif typ == "aws:s3/bucket:Bucket":
         state["bucket"] = inputs.get("bucket") or f"{inputs.get('bucketPrefix', '')}<unique suffix>"
     return state
@@ -195,7 +204,7 @@ def run_offline(
 
         options: dict[tuple[str, str], tuple[list[str], bool]] = {}
 
-        def RegisterResource(self, request):  # noqa: N802 (the gRPC method name)
+        def RegisterResource(self, request):  # the gRPC method name
             self.options[(request.type, request.name)] = (list(request.ignoreChanges),
                                                           bool(request.retainOnDelete))
             return super().RegisterResource(request)

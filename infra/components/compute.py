@@ -67,6 +67,7 @@ class Compute(pulumi.ComponentResource):
     ami_id: pulumi.Output[str]
     placement_group_name: pulumi.Output[str] | None
     bastion_public_ip: pulumi.Output[str] | None
+    bastion_id: pulumi.Output[str] | None
 
     def __init__(self, ctx: ClusterContext, *, private_subnet_id: pulumi.Input[str],
                  public_subnet_id: pulumi.Input[str] | None, node_security_group_id: pulumi.Input[str],
@@ -100,10 +101,10 @@ class Compute(pulumi.ComponentResource):
                                    else [NODE_TEMPLATE_PROPERTY]))
             for rank in range(spec.node_count)
         ]
-        self.bastion_public_ip = None
+        self.bastion_public_ip = self.bastion_id = None
         if spec.access.bastion:
-            self.bastion_public_ip = self._bastion(ctx, public_subnet_id, bastion_security_group_id,
-                                                   key_name)
+            bastion = self._bastion(ctx, public_subnet_id, bastion_security_group_id, key_name)
+            self.bastion_public_ip, self.bastion_id = bastion.public_ip, bastion.id
         self.register_outputs({"node_ids": [n.id for n in self.nodes]})
 
     def _placement_group(self, ctx: ClusterContext) -> pulumi.Output[str] | None:
@@ -184,7 +185,7 @@ class Compute(pulumi.ComponentResource):
 
     def _bastion(self, ctx: ClusterContext, subnet_id: pulumi.Input[str] | None,
                  security_group_id: pulumi.Input[str] | None,
-                 key_name: pulumi.Input[str] | None) -> pulumi.Output[str]:
+                 key_name: pulumi.Input[str] | None) -> aws.ec2.Instance:
         access = ctx.spec.access
         # The bastion's image matches the node user, so one `ssh_user@bastion` ProxyJump works.
         ami = resolve_ami(ctx, BASTION_SSM_PARAMETERS[access.ssh_user])
@@ -203,4 +204,4 @@ class Compute(pulumi.ComponentResource):
             tags=ctx.tags_named("bastion"),
             # A new Ubuntu/Amazon Linux release must not replace the bastion (and its address).
             opts=child_options(self, ignore_changes=["ami"]))
-        return bastion.public_ip
+        return bastion

@@ -19,8 +19,9 @@ NO_EXPIRY = "never"
 @dataclass(frozen=True)
 class ClusterContext:
     spec: ClusterSpec
-    # ISO 8601 UTC time the expiry schedule terminates the nodes; None when expiry is disabled.
-    expires_at: str | None
+    # ISO 8601 UTC time the expiry schedules stop the billed resources (a plain value from the
+    # stack config, or the program's clock resource); None when expiry is disabled.
+    expires_at: pulumi.Input[str] | None
     provider: aws.Provider = field(repr=False)
     # The ARN partition (aws, aws-us-gov, aws-cn, ...) and the reverse DNS prefix of service names
     # (com.amazonaws, cn.com.amazonaws), from aws.get_partition for the provider's region: never a

@@ -37,12 +37,13 @@ class Storage(pulumi.ComponentResource):
     bucket_arn: pulumi.Output[str]
     fsx_dns_name: pulumi.Output[str] | None
     fsx_mount_name: pulumi.Output[str] | None
+    fsx_id: pulumi.Output[str] | None
 
     def __init__(self, ctx: ClusterContext, private_subnet_id: pulumi.Input[str],
                  security_group_id: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Storage", ctx.resource_name("storage"), None, opts)
         self._checkpoint_bucket(ctx)
-        self.fsx_dns_name = self.fsx_mount_name = None
+        self.fsx_dns_name = self.fsx_mount_name = self.fsx_id = None
         if ctx.spec.storage.fsx.enabled:
             self._lustre(ctx, private_subnet_id, security_group_id)
         self.register_outputs({"bucket_name": self.bucket_name})
@@ -126,5 +127,6 @@ class Storage(pulumi.ComponentResource):
                 data_repository_path=fsx.s3_import_path, file_system_path="/",
                 batch_import_meta_data_on_create=True, s3=s3_policies,
                 tags=ctx.tags_named("fsx-s3"), opts=child)
+        self.fsx_id = lustre.id
         self.fsx_dns_name = lustre.dns_name
         self.fsx_mount_name = lustre.mount_name

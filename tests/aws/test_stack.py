@@ -396,8 +396,88 @@ def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulu
     spec = make_spec(node_count=2)
     state = new_state(tmp_path, spec)
     state.update(pulumi_stack=spec.name, nodes=[
-        {"rank": r, "name": f"pf-node{r}", "address": f"10.0.0.{r}", "instance_id": f"i-{r}"} for r in (0, 1)])
+        {"rank": r, "name": f"pf-node{r}", "address": f"10.0.0.{r}", "instance_id": f"i-{r}"}
+        for r in (0, 1)])
     with pytest.raises(CommandError, match="pulumi up failed"):
         stack.replace_node(state, spec, 1, out=lambda _: None)
     assert fake.seen == ({RETEMPLATE_KEY: "[1]"}, [node_urn(spec.name, spec, 1)])
     assert fake.config == {}
+
+
+# ---- expiry: a second day ---------------------------------------------------------------------
+import datetime as dt  # noqa: E402
+
+NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
+
+
+def test_up_of_an_expired_cluster_sets_a_new_expiry():
+    spec = make_spec(expiry_hours=6)
+    fake = FakeStack()
+    fake.config[EXPIRES_AT_KEY] = "2026-12-03T11:00:00Z"  # an hour ago: the schedules have run
+    lines = []
+    assert stack.configure_stack(fake, spec, now=NOW, out=lines.append) == "2026-12-03T18:00:00Z"
+    assert fake.config[EXPIRES_AT_KEY] == "2026-12-03T18:00:00Z"
+    assert "expired at 2026-12-03T11:00:00Z" in lines[0] and "new expiry" in lines[0]
+    # Not yet expired: kept, whatever expiry_hours says now.
+    assert stack.configure_stack(fake, make_spec(expiry_hours=48), now=NOW) == "2026-12-03T18:00:00Z"
+
+
+def test_extended_expiry_adds_hours_to_the_later_of_now_and_the_current_one():
+    assert stack.extended_expiry("2026-12-03T18:00:00Z", 4, NOW) == "2026-12-03T22:00:00Z"
+    assert stack.extended_expiry(None, 4, NOW) == "2026-12-03T16:00:00Z"
+
+
+class ExtendStack(RecordingStack):
+    def up(self, **kwargs):
+        self.calls.append(("up", dict(self.config)))
+        return auto.UpResult("", "", auto.UpdateSummary(
+            kind="update", start_time=None, message="", environment={}, config={}, result="succeeded",
+            end_time=None, version=2, deployment=None, resource_changes={"update": 33}), outputs={})
+
+
+def test_extend_moves_the_expiry_refreshing_first_and_records_it(fake_pulumi, tmp_path, monkeypatch):
+    fake = ExtendStack(existing=True)
+    fake.config[EXPIRES_AT_KEY] = "2026-12-03T18:00:00Z"
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: fake)
+    spec = make_spec(expiry_hours=6)
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, expires_at="2026-12-03T18:00:00Z", cost_per_hour=100.0)
+    questions, lines = [], []
+    assert stack.extend(state, spec, hours=4, approve=questions.append, out=lines.append,
+                        now=NOW) == "2026-12-03T22:00:00Z"
+    assert questions == ["Move the expiry of cluster pf from 2026-12-03T18:00:00Z to 2026-12-03T22:00:00Z "
+                         "(about 400.00 USD more)?"]
+    assert [name for name, _ in fake.calls] == ["refresh", "up"]
+    assert fake.calls[1][1][EXPIRES_AT_KEY] == "2026-12-03T22:00:00Z"  # the config `pulumi up` saw
+    assert state.read().expires_at == "2026-12-03T22:00:00Z"
+
+
+def test_extend_refuses_an_expired_cluster_and_one_without_expiry(fake_pulumi, tmp_path):
+    spec = make_spec(expiry_hours=6)
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, expires_at="2026-12-03T11:00:00Z")
+    with pytest.raises(UsageError, match=r"expired at 2026-12-03T11:00:00Z.*Run `fsdpctl up .*spec.yaml`"):
+        stack.extend(state, spec, hours=4, approve=refuse, out=print, now=NOW)
+    with pytest.raises(UsageError, match="expiry_hours: null"):
+        stack.extend(state, make_spec(expiry_hours=None), hours=4, approve=refuse, out=print, now=NOW)
+    assert not fake_pulumi.exists()  # the CLI was never asked anything
+
+
+def test_state_records_the_programs_expiry_output(tmp_path):
+    outputs = {**OUTPUTS, "expires_at": "2026-12-03T22:00:00Z"}
+    data = stack.state_from_outputs(make_spec(), outputs, key_file=tmp_path / "k", known_hosts=tmp_path)
+    assert data["expires_at"] == "2026-12-03T22:00:00Z"
+
+
+def test_status_and_list_show_the_expiry_and_whether_it_passed(fsdpctl_home, tmp_path, capsys):
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    assert lifecycle.expiry_text("2026-12-03T11:00:00Z", NOW) == "2026-12-03T11:00:00Z (EXPIRED)"
+    assert lifecycle.expiry_text("2026-12-03T18:30:00Z", NOW, left=True) == "2026-12-03T18:30:00Z (in 6h30m)"
+    assert lifecycle.expiry_text("2026-12-03T18:30:00Z", NOW) == "2026-12-03T18:30:00Z"
+    state.update(expires_at="2020-01-01T00:00:00Z")
+    lifecycle.cmd_list(argparse.Namespace(json=False))
+    assert "2020-01-01T00:00:00Z (EXPIRED)" in capsys.readouterr().out
+    lifecycle.cmd_list(argparse.Namespace(json=True))
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["expires_at"] == "2020-01-01T00:00:00Z" and row["expired"] is True

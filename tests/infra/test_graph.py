@@ -58,7 +58,8 @@ EXPECTED_DEMO_COUNTS = {
     "aws:iam/rolePolicyAttachment:RolePolicyAttachment": 1, "aws:iam/instanceProfile:InstanceProfile": 1,
     "aws:ec2/placementGroup:PlacementGroup": 1, "aws:ec2/launchTemplate:LaunchTemplate": 1,
     "aws:ec2/instance:Instance": 5,  # 4 nodes + the bastion
-    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 1,
+    # Expiry: terminate nodes + bastion, delete the NAT gateway, release its Elastic IP.
+    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 3,
 }
 
 
@@ -155,7 +156,9 @@ def test_pulumi_runs_infra_main_with_the_stack_config_and_refuses_a_bad_one(tmp_
     script = tmp_path / "run_main.py"
     script.write_text(f"""
 import asyncio, json, runpy, sys
-sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
+# The repository root last, not first: this checkout's package (an editable install may point at
+# another checkout) without the root shadowing infra/ as the language host's first entry.
+sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})] + [{str(REPO)!r}]
 import pulumi
 from pulumi.runtime import settings
 from infra.offline import RecordingMocks

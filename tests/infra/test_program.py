@@ -225,7 +225,7 @@ def test_one_instance_per_node_with_a_stable_rank(demo_plan):
         assert instance.tags[RANK_TAG] == str(rank)
         assert instance.tags["Name"] == demo_plan.spec.node_name(rank)
         assert instance.tags[CLUSTER_TAG] == "demo" and instance.tags[EXPIRES_TAG] == EXPIRES_AT
-        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "$Default"}
+        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "1"}
         # Everything else comes from the launch template: no second place to configure a node.
         assert not {"subnetId", "vpcSecurityGroupIds", "ami", "instanceType"} & instance.inputs.keys()
 
@@ -349,26 +349,82 @@ def test_root_volume_size_from_the_spec():
 
 
 # ---- expiry -----------------------------------------------------------------------------------
-def test_expiry_schedule_terminates_exactly_the_nodes(demo_plan):
+SCHEDULE = "aws:scheduler/schedule:Schedule"
+
+
+def _schedules(plan):
+    return {r.name: r.inputs for r in plan.mocks.of_type(SCHEDULE)}
+
+
+def test_expiry_schedules_stop_every_billed_resource(demo_plan):
     m = demo_plan.mocks
     group = m.one("aws:scheduler/scheduleGroup:ScheduleGroup")
     assert group.inputs["name"] == "fsdp-cluster-demo" and group.tags[CLUSTER_TAG] == "demo"
-    schedule = m.one("aws:scheduler/schedule:Schedule").inputs
-    assert schedule["groupName"] == "fsdp-cluster-demo"
-    assert schedule["scheduleExpression"] == "at(2026-12-03T13:00:00)"
-    assert schedule["scheduleExpressionTimezone"] == "UTC"
-    assert schedule["flexibleTimeWindow"] == {"mode": "OFF"}
-    target = schedule["target"]
-    assert target["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
-    assert json.loads(target["input"]) == {"InstanceIds": [n.id for n in nodes(demo_plan)]}
+    schedules = _schedules(demo_plan)
+    assert set(schedules) == {"demo-expiry", "demo-expiry-nat", "demo-expiry-nat-ip"}
     role = m.named("demo-expiry", ROLE)
-    assert target["roleArn"] == f"<{role.name}.arn>"
+    for schedule in schedules.values():
+        assert schedule["groupName"] == "fsdp-cluster-demo"
+        assert schedule["scheduleExpressionTimezone"] == "UTC"
+        assert schedule["flexibleTimeWindow"] == {"mode": "OFF"}
+        assert schedule["target"]["roleArn"] == f"<{role.name}.arn>"
+    terminate, nat, nat_ip = (schedules[n]["target"] for n in ("demo-expiry", "demo-expiry-nat",
+                                                               "demo-expiry-nat-ip"))
+    assert schedules["demo-expiry"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
+    assert schedules["demo-expiry-nat"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
+    # The Elastic IP only once the NAT gateway that holds it is gone.
+    assert schedules["demo-expiry-nat-ip"]["scheduleExpression"] == "at(2026-12-03T14:00:00)"
+    assert terminate["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
+    bastion = next(i for i in m.of_type(INSTANCE) if RANK_TAG not in i.tags)
+    assert json.loads(terminate["input"]) == {"InstanceIds": [n.id for n in nodes(demo_plan)] + [bastion.id]}
+    assert nat["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:deleteNatGateway"
+    assert json.loads(nat["input"]) == {"NatGatewayId": m.one("aws:ec2/natGateway:NatGateway").id}
+    assert nat_ip["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:releaseAddress"
+    assert json.loads(nat_ip["input"]) == {"AllocationId": "<demo-nat-ip.allocation_id>"}
     trust = json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]
     assert trust["Principal"] == {"Service": "scheduler.amazonaws.com"}
-    [statement] = json.loads(m.named("demo-expiry-terminate", POLICY).inputs["policy"])["Statement"]
-    assert statement["Action"] == "ec2:TerminateInstances"
-    assert statement["Resource"] == "arn:aws:ec2:us-east-1:*:instance/*"
-    assert statement["Condition"] == {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
+    statements = json.loads(m.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
+    assert {(s["Action"], s["Resource"]) for s in statements} == {
+        ("ec2:TerminateInstances", "arn:aws:ec2:us-east-1:*:instance/*"),
+        ("ec2:DeleteNatGateway", "arn:aws:ec2:us-east-1:*:natgateway/*"),
+        ("ec2:ReleaseAddress", "arn:aws:ec2:us-east-1:*:elastic-ip/*")}
+    for statement in statements:
+        assert statement["Condition"] == {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
+
+
+def test_expiry_deletes_the_file_system_too():
+    plan = plan_of(storage={"fsx": {"enabled": True}})
+    fsx = plan.mocks.one("aws:fsx/lustreFileSystem:LustreFileSystem")
+    target = _schedules(plan)["demo-expiry-fsx"]["target"]
+    assert target["arn"] == "arn:aws:scheduler:::aws-sdk:fsx:deleteFileSystem"
+    assert json.loads(target["input"]) == {"FileSystemId": fsx.id,
+                                           "LustreConfiguration": {"SkipFinalBackup": True}}
+    statements = json.loads(plan.mocks.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
+    assert any(s["Action"][0] == "fsx:DeleteFileSystem" and s["Resource"] == "arn:aws:fsx:us-east-1:*:*"
+               for s in statements)
+
+
+def test_existing_vpc_has_no_nat_schedule():
+    plan = plan_of(network={"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0priv",
+                            "public_subnet_id": "subnet-0pub"})
+    assert set(_schedules(plan)) == {"demo-expiry"}
+
+
+def test_plain_pulumi_up_without_expires_at_uses_the_expiry_clock():
+    """`pulumi up` with only fsdp-cluster:cluster set: a pulumiverse-time Offset records the
+    creation time once and the schedules fire expiry_hours later."""
+    from datetime import datetime, timedelta
+
+    plan = plan_of(expires_at=None)
+    clock = plan.mocks.one("time:index/offset:Offset")
+    assert clock.inputs["offsetHours"] == float(plan.spec.expiry_hours)
+    base = datetime.fromisoformat(plan.outputs["expires_at"].replace("Z", "+00:00")) \
+        - timedelta(hours=plan.spec.expiry_hours)
+    assert plan.outputs["expires_at"].endswith("Z")
+    expected = f"at({plan.outputs['expires_at'][:-1]})"
+    assert _schedules(plan)["demo-expiry"]["scheduleExpression"] == expected
+    assert {n.tags[EXPIRES_TAG] for n in nodes(plan)} == {plan.outputs["expires_at"]}
+    assert base.tzinfo is not None
 
 
 def test_no_expiry_schedule_when_expiry_is_disabled():

@@ -14,6 +14,7 @@ backend under the fsdpctl home; the stack name is the cluster name.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -110,13 +111,26 @@ def open_stack(spec: ClusterSpec, command, *, create: bool):
         return None
 
 
-def configure_stack(stack, spec: ClusterSpec) -> str | None:
-    """Set the stack config; returns the pinned expiry time (None when expiry is off)."""
+def _utc(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _iso(when: dt.datetime) -> str:
+    return when.astimezone(dt.UTC).replace(microsecond=0, tzinfo=None).isoformat() + "Z"
+
+
+def configure_stack(stack, spec: ClusterSpec, *, now: dt.datetime | None = None,
+                    out: Out | None = None) -> str | None:
+    """Set the stack config; returns the expiry time (None when expiry is off). The expiry is
+    pinned at first creation and kept by later `up`s (re-running `up` must not push the
+    dead-man's switch out each time); once it has passed (the schedules stopped the billed
+    resources), the next `up` brings the cluster back with a new expiry of now + expiry_hours."""
     from pulumi import automation as auto
 
     from infra.program import EXPIRES_AT_KEY, expiry_time
     from infra.spec import PULUMI_CONFIG_KEY
 
+    now = now or dt.datetime.now(dt.UTC)
     stack.set_config("aws:region", auto.ConfigValue(spec.region))
     # A JSON string: the program's Config.require_object parses it into the same object.
     stack.set_config(PULUMI_CONFIG_KEY, auto.ConfigValue(json.dumps(spec.model_dump(mode="json"))))
@@ -126,11 +140,22 @@ def configure_stack(stack, spec: ClusterSpec) -> str | None:
         pinned = None
     if spec.expiry_hours is None:
         return None
+    if pinned and _utc(pinned) <= now:
+        if out:
+            out(f"cluster {spec.name} expired at {pinned} (its nodes, bastion, NAT gateway and file "
+                f"system were stopped); this `up` recreates them with a new expiry")
+        pinned = None
     if not pinned:
-        # Pinned once: re-running `up` must not push the dead-man's switch further out each time.
-        pinned = expiry_time(spec)
+        pinned = expiry_time(spec, now)
         stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(pinned))
     return pinned
+
+
+def extended_expiry(current: str | None, hours: int, now: dt.datetime) -> str:
+    """`fsdpctl extend --hours N`: N hours after the current expiry (or after now, when the
+    cluster has none)."""
+    base = _utc(current) if current else now
+    return _iso(max(base, now) + dt.timedelta(hours=hours))
 
 
 def _progress(out: Out) -> Callable[[str], None]:
@@ -167,6 +192,8 @@ def state_from_outputs(spec: ClusterSpec, outputs: Mapping[str, Any], *, key_fil
                 "proxy_jump": f"{user}@{bastion}" if bastion else None},
         "shared_dir": fsx.mount_point if fsx.enabled else None,
         "stack_outputs": dict(outputs),
+        # The program's own view (a pinned config value, or its clock resource).
+        **({"expires_at": outputs["expires_at"]} if outputs.get("expires_at") else {}),
     }
 
 
@@ -272,7 +299,7 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
     from pulumi import automation as auto
 
     stack = open_stack(deployed_spec, command, create=True)
-    expires_at = configure_stack(stack, deployed_spec)
+    expires_at = configure_stack(stack, deployed_spec, out=out)
     per_hour = _offline_cost(deployed_spec, expires_at, out)
     expiry = f"; its billed resources expire at {expires_at}" if expires_at else ""
     if stack.info() is None:
@@ -299,6 +326,56 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
         raise _up_failed(spec, e) from None
     _record_outputs(state, deployed_spec, result, key_file)
     out(f"pulumi up: {dict(result.summary.resource_changes or {})}")
+
+
+# ---- extend --------------------------------------------------------------------------------------
+def extend(state: ClusterState, spec: ClusterSpec, *, hours: int, approve: Callable[[str], None],
+           out: Out, now: dt.datetime | None = None) -> str:
+    """Move the expiry N hours later: the stack config's expiresAt, then `pulumi up` (which moves
+    the schedules and the expires-at tags; nothing is replaced). Refuses an expired cluster: its
+    billed resources are gone, and `fsdpctl up` recreates them with a new expiry. Returns the new
+    time."""
+    from pulumi import automation as auto
+
+    from infra.program import EXPIRES_AT_KEY
+
+    if spec.expiry_hours is None:
+        raise UsageError(f"cluster {spec.name} has expiry_hours: null, so nothing expires; set "
+                         f"expiry_hours in {state.spec_path} and run `fsdpctl up` to give it an expiry")
+    now = now or dt.datetime.now(dt.UTC)
+    record = state.read()
+    if record.expires_at and _utc(record.expires_at) <= now:
+        raise UsageError(f"cluster {spec.name} expired at {record.expires_at}: its nodes, bastion, NAT "
+                         f"gateway and file system were stopped. Run `fsdpctl up {state.spec_path}` to "
+                         "bring it back with a new expiry (then `fsdpctl extend` moves that one)")
+    command = pulumi_command()
+    stack = open_stack(spec, command, create=False)
+    if stack is None:
+        raise UsageError(f"no Pulumi stack {spec.name} in {backend_url()}; run `fsdpctl up` first "
+                         "(or set PULUMI_BACKEND_URL to the backend it was created in)")
+    try:
+        current = stack.get_config(EXPIRES_AT_KEY).value
+    except auto.errors.CommandError:
+        current = record.expires_at
+    new = extended_expiry(current, hours, now)
+    approve(f"Move the expiry of cluster {spec.name} from {current or 'none'} to {new} "
+            f"(about {(record.cost_per_hour or 0) * hours:,.2f} USD more)?")
+    refresh(stack, spec, out, what=f"extend --hours {hours}")
+    stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(new))
+    out(f"pulumi up: stack {spec.name}, expiry {current} -> {new}")
+    try:
+        result = stack.up(on_output=_progress(out), color="never")
+    except auto.errors.ConcurrentUpdateError as e:
+        if current:  # nothing moved: keep the config saying so
+            stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(current))
+        raise _locked(spec, e, f"extend --hours {hours}") from None
+    except auto.errors.CommandError as e:
+        raise _up_failed(spec, e) from None
+    state.update(expires_at=new)
+    if record.ssh is not None:
+        _record_outputs(state, spec, result, Path(record.ssh.key_file))
+    out(f"cluster {spec.name} now expires at {new}")
+    return new
 
 
 # ---- down ----------------------------------------------------------------------------------------
