@@ -253,3 +253,46 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
         overridden=OVERRIDE_KEY in prices,
     )
 
+
+
+# What bills by the hour (or by the GiB-month) while it exists.
+BILLED_TYPES = {
+    "aws:ec2/instance:Instance": "instance",
+    "aws:ec2/natGateway:NatGateway": "NAT gateway",
+    "aws:ec2/eip:Eip": "Elastic IP (public IPv4)",
+    "aws:fsx/lustreFileSystem:LustreFileSystem": "FSx for Lustre file system",
+    "aws:s3/bucket:Bucket": "S3 bucket (storage)",
+}
+
+
+@dataclass
+class AfterExpiry:
+    """What the expiry schedules stop, and what keeps billing after them (read off the graph:
+    a billed resource is stopped when a schedule's target input names its id)."""
+
+    stopped: list[str]
+    still_billed: list[str]
+
+
+def after_expiry(plan: OfflinePlan) -> AfterExpiry | None:
+    """None when the cluster has no expiry (everything keeps billing)."""
+    schedules = plan.mocks.of_type("aws:scheduler/schedule:Schedule")
+    if not schedules:
+        return None
+    targeted = " ".join(str((s.inputs.get("target") or {}).get("input", "")) for s in schedules)
+    stopped, still = [], []
+    for record in plan.mocks.resources:
+        kind = BILLED_TYPES.get(record.type)
+        if kind is None:
+            continue
+        ids = [record.id, *(v for k, v in _computed_ids(record))]
+        label = f"{kind} {record.name}"
+        (stopped if any(i and i in targeted for i in ids) else still).append(label)
+    return AfterExpiry(stopped=stopped, still_billed=still)
+
+
+def _computed_ids(record: Registration) -> list[tuple[str, str]]:
+    """Other identifiers a schedule may name a resource by (an Elastic IP's allocation id)."""
+    if record.type == "aws:ec2/eip:Eip":
+        return [("allocation_id", f"<{record.name}.allocation_id>")]
+    return []

@@ -38,11 +38,11 @@ def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
     out = capsys.readouterr().out
     for heading in ("Network", "Security", "Storage", "Identity", "Compute", "Expiry"):
         assert f"\n  {heading}\n" in out
-    assert "Resources `pulumi up` would create: 34" in out
+    assert "Resources `pulumi up` would create: 36" in out
     assert "4 EFA on 4 network cards" in out and "IMDSv2 required" in out
     assert "in: all itself, tcp/22 <demo-bastion.id>" in out
     assert "demo-node3" in out and "rank 3" in out
-    assert "objects and noncurrent versions expire after 7 days" in out
+    assert "every byte deleted within 7 days (6 current + 1 noncurrent)" in out
     assert "Warnings: none" in out
     expected = demo_cost_per_hour(load_prices())
     assert f"Total: {expected:,.2f} USD per hour, {expected * 24:,.2f} USD per day" in out
@@ -53,7 +53,7 @@ def test_plan_json_is_the_graph_outputs_and_cost(capsys):
     assert main(["plan", DEMO, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cluster"] == "demo"
-    assert len(report["resources"]) == 34 and sum(report["counts"].values()) == 34
+    assert len(report["resources"]) == 36 and sum(report["counts"].values()) == 36
     assert report["counts"]["aws:ec2/instance:Instance"] == 5
     assert [n["efa_count"] for n in report["outputs"]["nodes"]] == [4, 4, 4, 4]
     assert report["warnings"] == []
@@ -192,3 +192,30 @@ def test_no_stale_price_note_when_a_prices_file_replaced_the_table(tmp_path, cap
     assert main(["plan", DEMO, "--prices", str(prices)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # long paths wrap
     assert "days old" not in out and f"with {prices} merged over it" in out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"storage": {"fsx": {"enabled": True}}},
+                                       {"instance_type": "p5.48xlarge", "node_count": 2}])
+def test_after_expiry_only_the_bucket_keeps_billing(overrides):
+    from fsdpctl.plan.cost import after_expiry
+
+    plan = plan_of(**overrides)
+    after = after_expiry(plan)
+    assert after.still_billed == [next(f"S3 bucket (storage) {r.name}" for r in plan.mocks.resources
+                                       if r.type == "aws:s3/bucket:Bucket")]
+    assert sum(s.startswith("instance ") for s in after.stopped) == plan.spec.node_count + 1  # + bastion
+    assert any(s.startswith("NAT gateway") for s in after.stopped)
+    assert any(s.startswith("Elastic IP") for s in after.stopped)
+    assert any(s.startswith("FSx") for s in after.stopped) == bool(overrides.get("storage"))
+
+
+def test_plan_text_says_what_keeps_billing_after_expiry():
+    from fsdpctl.plan import estimate_cost, load_prices, render_text
+
+    plan = plan_of()
+    text = " ".join(render_text(plan, estimate_cost(plan, load_prices())).split())
+    assert "What keeps billing after expiry: S3 bucket (storage) demo-checkpoints" in text
+    assert "NAT gateway demo-nat" in text and "Elastic IP (public IPv4) demo-nat-ip" in text
+    no_expiry = plan_of(expiry_hours=None)
+    text = " ".join(render_text(no_expiry, estimate_cost(no_expiry, load_prices())).split())
+    assert "No expiry (expiry_hours: null): everything above keeps billing" in text
