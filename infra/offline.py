@@ -131,6 +131,9 @@ class RecordingMocks:
             partition, prefix = region_partition(self.region)
             return {"id": partition, "partition": partition, "reverseDnsPrefix": prefix,
                     "dnsSuffix": "amazonaws.com.cn" if partition == "aws-cn" else "amazonaws.com"}
+        if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
+            return {"accountId": "<account id>", "arn": "<caller arn>", "id": "<account id>",
+                    "userId": "<user id>"}
         if args.token == "aws:ec2/getAmi:getAmi":
             return {"rootDeviceName": "<root device of the AMI>"}
         return {}

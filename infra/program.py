@@ -104,7 +104,8 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
             instance_ids=[node.id for node in compute.nodes]
             + ([compute.bastion_id] if compute.bastion_id is not None else []),
             nat_gateway_id=network.nat_gateway_id, nat_allocation_id=network.nat_allocation_id,
-            file_system_id=storage.fsx_id), opts=opts)
+            file_system_id=storage.fsx_id,
+            capacity_reservation_id=compute.capacity_reservation_id), opts=opts)
 
     nodes = pulumi.Output.all(*[pulumi.Output.all(n.id, n.private_ip) for n in compute.nodes]).apply(
         lambda pairs: [

@@ -110,12 +110,14 @@ class CostEstimate:
         }
 
 
-def _market_of(template: Registration) -> str:
+def _market_of(template: Registration, own_reservations: set[str] = frozenset()) -> str:
     market = (template.inputs.get("instanceMarketOptions") or {}).get("marketType")
     if market:
         return market
-    reservation = template.inputs.get("capacityReservationSpecification") or {}
-    return "capacity-reservation" if reservation.get("capacityReservationTarget") else "on-demand"
+    target = (template.inputs.get("capacityReservationSpecification") or {}).get("capacityReservationTarget")
+    if target and target.get("capacityReservationId") not in own_reservations:
+        return "capacity-reservation"
+    return "on-demand"
 
 
 def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
@@ -168,9 +170,10 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
             )
         )
         ebs_gib += float((instance.inputs.get("rootBlockDevice") or {}).get("volumeSize") or 0)
+    own = {r.id for r in mocks.of_type("aws:ec2/capacityReservation:CapacityReservation")}
     for template_id, count in nodes_by_template.items():
         template = mocks.by_id[template_id]
-        itype, market = template.inputs.get("instanceType"), _market_of(template)
+        itype, market = template.inputs.get("instanceType"), _market_of(template, own)
         for mapping in template.inputs.get("blockDeviceMappings") or []:
             ebs_gib += count * float((mapping.get("ebs") or {}).get("volumeSize") or 0)
         if market == "spot":
@@ -259,6 +262,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
 BILLED_TYPES = {
     "aws:ec2/instance:Instance": "instance",
     "aws:ec2/natGateway:NatGateway": "NAT gateway",
+    "aws:ec2/capacityReservation:CapacityReservation": "capacity reservation",
     "aws:ec2/eip:Eip": "Elastic IP (public IPv4)",
     "aws:fsx/lustreFileSystem:LustreFileSystem": "FSx for Lustre file system",
     "aws:s3/bucket:Bucket": "S3 bucket (storage)",

@@ -66,6 +66,8 @@ class Compute(pulumi.ComponentResource):
     requested_ami: str
     ami_id: pulumi.Output[str]
     placement_group_name: pulumi.Output[str] | None
+    # The all-or-nothing On-Demand Capacity Reservation the program creates, or None.
+    capacity_reservation_id: pulumi.Output[str] | None
     bastion_public_ip: pulumi.Output[str] | None
     bastion_id: pulumi.Output[str] | None
 
@@ -78,7 +80,8 @@ class Compute(pulumi.ComponentResource):
         super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
         spec = ctx.spec
         self.requested_ami = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
-        self.placement_group_name = self._placement_group(ctx)
+        self.placement_group_name, placement_group_arn = self._placement_group(ctx)
+        self.capacity_reservation_id = self._all_or_nothing(ctx, placement_group_arn)
         slots = efa_interface_layout(spec.instance.network_cards, spec.instance.efa_layout)
         self.efa_count = efa_count(slots)
         template = self._launch_template(ctx, slots, private_subnet_id, node_security_group_id,
@@ -107,16 +110,46 @@ class Compute(pulumi.ComponentResource):
             self.bastion_public_ip, self.bastion_id = bastion.public_ip, bastion.id
         self.register_outputs({"node_ids": [n.id for n in self.nodes]})
 
-    def _placement_group(self, ctx: ClusterContext) -> pulumi.Output[str] | None:
+    def _placement_group(self, ctx: ClusterContext) -> tuple[pulumi.Output[str] | None,
+                                                             pulumi.Output[str] | None]:
+        """(name, ARN) of the cluster placement group, or (None, None)."""
         spec = ctx.spec
         if not spec.uses_placement_group:
-            return None
+            return None, None
         if spec.placement_group.existing_name:
-            return pulumi.Output.from_input(spec.placement_group.existing_name)
+            name = spec.placement_group.existing_name
+            account = aws.get_caller_identity(opts=ctx.invoke_options()).account_id
+            return (pulumi.Output.from_input(name), pulumi.Output.from_input(
+                f"arn:{ctx.partition}:ec2:{spec.region}:{account}:placement-group/{name}"))
         group = aws.ec2.PlacementGroup(
             ctx.resource_name("placement"), strategy="cluster", tags=ctx.tags_named("placement"),
             opts=child_options(self))
-        return group.name
+        return group.name, group.arn
+
+    def _all_or_nothing(self, ctx: ClusterContext,
+                        placement_group_arn: pulumi.Output[str] | None) -> pulumi.Output[str] | None:
+        """On-demand nodes: one On-Demand Capacity Reservation for all node_count instances, in the
+        placement group. EC2 grants a reservation request whole or refuses it
+        (InsufficientInstanceCapacity), and the nodes are launched only after it exists, into it
+        (`targeted`: nothing else in the account can use it), so a short region fails the whole
+        cluster before any GPU node bills, instead of leaving 3 of 4 nodes running. Each node stays
+        its own instance with its own rank (`fsdpctl replace RANK` terminates one, freeing its slot,
+        and launches the new one into the same reservation)."""
+        spec = ctx.spec
+        if not spec.capacity.reserves_on_demand:
+            return None
+        reservation = aws.ec2.CapacityReservation(
+            ctx.resource_name("capacity"),
+            instance_type=spec.instance_type,
+            instance_platform="Linux/UNIX",
+            availability_zone=spec.availability_zone,
+            instance_count=spec.node_count,
+            instance_match_criteria="targeted",
+            end_date_type="unlimited",
+            placement_group_arn=placement_group_arn,
+            tags=ctx.tags_named("capacity"),
+            opts=child_options(self))
+        return reservation.id
 
     def _launch_template(self, ctx: ClusterContext, slots: list[InterfaceSlot],
                          subnet_id: pulumi.Input[str], security_group_id: pulumi.Input[str],
@@ -150,9 +183,9 @@ class Compute(pulumi.ComponentResource):
         elif capacity.type is CapacityType.CAPACITY_BLOCK:
             market = {"market_type": "capacity-block"}
         reservation = None
-        if capacity.uses_reservation:
-            reservation = {
-                "capacity_reservation_target": {"capacity_reservation_id": capacity.reservation_id}}
+        reservation_id = capacity.reservation_id if capacity.uses_reservation else self.capacity_reservation_id
+        if reservation_id is not None:
+            reservation = {"capacity_reservation_target": {"capacity_reservation_id": reservation_id}}
         placement = {"group_name": self.placement_group_name} if self.placement_group_name else None
         return aws.ec2.LaunchTemplate(
             ctx.resource_name(spec.instance_type.replace(".", "-")),

@@ -6,6 +6,8 @@ One one-time schedule per action, each a Scheduler universal target (an AWS API 
 
 - ec2:TerminateInstances: every node and the bastion (their EBS volumes are deleted on
   termination; the bastion's public IPv4 goes with it);
+- ec2:CancelCapacityReservation: the all-or-nothing On-Demand Capacity Reservation (it bills
+  whether or not instances run in it);
 - ec2:DeleteNatGateway: the NAT gateway;
 - fsx:DeleteFileSystem: the FSx for Lustre file system (no final backup), when there is one;
 - ec2:ReleaseAddress: the NAT gateway's Elastic IP, an hour later (an address still associated
@@ -67,6 +69,7 @@ class BilledResources:
     nat_gateway_id: pulumi.Input[str] | None = None
     nat_allocation_id: pulumi.Input[str] | None = None
     file_system_id: pulumi.Input[str] | None = None
+    capacity_reservation_id: pulumi.Input[str] | None = None  # the all-or-nothing reservation
 
 
 def _statement(ctx: ClusterContext, sid: str, actions: list[str], service: str, resource: str) -> dict:
@@ -88,6 +91,9 @@ def expiry_policy(ctx: ClusterContext, billed: BilledResources) -> str:
                                      "natgateway/*"))
         statements.append(_statement(ctx, "ReleaseThisClustersNatAddress", ["ec2:ReleaseAddress"], "ec2",
                                      "elastic-ip/*"))
+    if billed.capacity_reservation_id is not None:
+        statements.append(_statement(ctx, "CancelThisClustersReservation", ["ec2:CancelCapacityReservation"],
+                                     "ec2", "capacity-reservation/*"))
     if billed.file_system_id is not None:
         statements.append(_statement(ctx, "DeleteThisClustersFileSystem",
                                      ["fsx:DeleteFileSystem", "fsx:DeleteDataRepositoryAssociation"],
@@ -143,6 +149,10 @@ class Expiry(pulumi.ComponentResource):
                      {"NatGatewayId": billed.nat_gateway_id})
             schedule("expiry-nat-ip", "release the NAT gateway's Elastic IP", "ec2", "releaseAddress",
                      {"AllocationId": billed.nat_allocation_id}, delay=EIP_RELEASE_DELAY)
+        if billed.capacity_reservation_id is not None:
+            # An unused reservation bills like a running instance: cancel it with the nodes.
+            schedule("expiry-capacity", "cancel the capacity reservation", "ec2", "cancelCapacityReservation",
+                     {"CapacityReservationId": billed.capacity_reservation_id})
         if billed.file_system_id is not None:
             schedule("expiry-fsx", "delete the FSx for Lustre file system", "fsx", "deleteFileSystem",
                      {"FileSystemId": billed.file_system_id,

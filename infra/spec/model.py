@@ -39,6 +39,17 @@ class Capacity(_Model):
     `capacity-block`; refused together with `spot`. The launch template targets it."""
     spot_max_price: float | None = Field(default=None, gt=0)
     """Spot only: the most to pay per instance-hour in USD; empty means up to the on-demand price."""
+    all_or_nothing: bool = True
+    """On-demand only: first reserve all node_count instances in one On-Demand Capacity
+    Reservation (in the placement group), which EC2 grants whole or refuses with
+    InsufficientInstanceCapacity, then launch the nodes into it; no cluster of 3 out of 4 nodes. It
+    bills like the running nodes and goes with them (expiry, `fsdpctl down`). `false`: launch the
+    nodes one by one without it."""
+
+    @property
+    def reserves_on_demand(self) -> bool:
+        """The program creates the all-or-nothing reservation."""
+        return self.type is CapacityType.ON_DEMAND and self.all_or_nothing
 
     @property
     def uses_reservation(self) -> bool:

@@ -38,7 +38,7 @@ def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
     out = capsys.readouterr().out
     for heading in ("Network", "Security", "Storage", "Identity", "Compute", "Expiry"):
         assert f"\n  {heading}\n" in out
-    assert "Resources `pulumi up` would create: 36" in out
+    assert "Resources `pulumi up` would create: 38" in out
     assert "4 EFA on 4 network cards" in out and "IMDSv2 required" in out
     assert "in: all itself, tcp/22 <demo-bastion.id>" in out
     assert "demo-node3" in out and "rank 3" in out
@@ -53,7 +53,7 @@ def test_plan_json_is_the_graph_outputs_and_cost(capsys):
     assert main(["plan", DEMO, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cluster"] == "demo"
-    assert len(report["resources"]) == 36 and sum(report["counts"].values()) == 36
+    assert len(report["resources"]) == 38 and sum(report["counts"].values()) == 38
     assert report["counts"]["aws:ec2/instance:Instance"] == 5
     assert [n["efa_count"] for n in report["outputs"]["nodes"]] == [4, 4, 4, 4]
     assert report["warnings"] == []
@@ -201,6 +201,7 @@ def test_after_expiry_only_the_bucket_keeps_billing(overrides):
 
     plan = plan_of(**overrides)
     after = after_expiry(plan)
+    assert all(not s.startswith("capacity reservation") for s in after.still_billed)
     assert after.still_billed == [next(f"S3 bucket (storage) {r.name}" for r in plan.mocks.resources
                                        if r.type == "aws:s3/bucket:Bucket")]
     assert sum(s.startswith("instance ") for s in after.stopped) == plan.spec.node_count + 1  # + bastion

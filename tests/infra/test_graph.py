@@ -58,8 +58,11 @@ EXPECTED_DEMO_COUNTS = {
     "aws:iam/rolePolicyAttachment:RolePolicyAttachment": 1, "aws:iam/instanceProfile:InstanceProfile": 1,
     "aws:ec2/placementGroup:PlacementGroup": 1, "aws:ec2/launchTemplate:LaunchTemplate": 1,
     "aws:ec2/instance:Instance": 5,  # 4 nodes + the bastion
-    # Expiry: terminate nodes + bastion, delete the NAT gateway, release its Elastic IP.
-    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 3,
+    # All 4 nodes in one all-or-nothing On-Demand Capacity Reservation.
+    "aws:ec2/capacityReservation:CapacityReservation": 1,
+    # Expiry: terminate nodes + bastion, cancel the reservation, delete the NAT gateway, release
+    # its Elastic IP.
+    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 4,
 }
 
 

@@ -197,7 +197,11 @@ def test_launch_template_settings(demo_plan):
     profile = m.one("aws:iam/instanceProfile:InstanceProfile")
     assert inputs["iamInstanceProfile"] == {"arn": f"<{profile.name}.arn>"}
     assert "userData" not in inputs
-    assert "instanceMarketOptions" not in inputs and "capacityReservationSpecification" not in inputs
+    assert "instanceMarketOptions" not in inputs
+    # On-demand: the program's own all-or-nothing reservation (see test_all_or_nothing_...).
+    reservation = m.one("aws:ec2/capacityReservation:CapacityReservation")
+    assert inputs["capacityReservationSpecification"] == {
+        "capacityReservationTarget": {"capacityReservationId": reservation.id}}
     tagged = {spec["resourceType"]: spec["tags"] for spec in inputs["tagSpecifications"]}
     assert set(tagged) == {"volume", "network-interface"}
     assert all(tags[CLUSTER_TAG] == "demo" and tags[EXPIRES_TAG] == EXPIRES_AT for tags in tagged.values())
@@ -361,7 +365,7 @@ def test_expiry_schedules_stop_every_billed_resource(demo_plan):
     group = m.one("aws:scheduler/scheduleGroup:ScheduleGroup")
     assert group.inputs["name"] == "fsdp-cluster-demo" and group.tags[CLUSTER_TAG] == "demo"
     schedules = _schedules(demo_plan)
-    assert set(schedules) == {"demo-expiry", "demo-expiry-nat", "demo-expiry-nat-ip"}
+    assert set(schedules) == {"demo-expiry", "demo-expiry-capacity", "demo-expiry-nat", "demo-expiry-nat-ip"}
     role = m.named("demo-expiry", ROLE)
     for schedule in schedules.values():
         assert schedule["groupName"] == "fsdp-cluster-demo"
@@ -384,8 +388,13 @@ def test_expiry_schedules_stop_every_billed_resource(demo_plan):
     trust = json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]
     assert trust["Principal"] == {"Service": "scheduler.amazonaws.com"}
     statements = json.loads(m.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
+    capacity = schedules["demo-expiry-capacity"]["target"]
+    assert capacity["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:cancelCapacityReservation"
+    assert json.loads(capacity["input"]) == {
+        "CapacityReservationId": m.one("aws:ec2/capacityReservation:CapacityReservation").id}
     assert {(s["Action"], s["Resource"]) for s in statements} == {
         ("ec2:TerminateInstances", "arn:aws:ec2:us-east-1:*:instance/*"),
+        ("ec2:CancelCapacityReservation", "arn:aws:ec2:us-east-1:*:capacity-reservation/*"),
         ("ec2:DeleteNatGateway", "arn:aws:ec2:us-east-1:*:natgateway/*"),
         ("ec2:ReleaseAddress", "arn:aws:ec2:us-east-1:*:elastic-ip/*")}
     for statement in statements:
@@ -407,7 +416,7 @@ def test_expiry_deletes_the_file_system_too():
 def test_existing_vpc_has_no_nat_schedule():
     plan = plan_of(network={"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0priv",
                             "public_subnet_id": "subnet-0pub"})
-    assert set(_schedules(plan)) == {"demo-expiry"}
+    assert set(_schedules(plan)) == {"demo-expiry", "demo-expiry-capacity"}
 
 
 def test_plain_pulumi_up_without_expires_at_uses_the_expiry_clock():
@@ -511,3 +520,36 @@ def test_retemplate_config_must_name_ranks(bad):
 
     with pytest.raises(SpecError, match=rf"{RETEMPLATE_KEY}.*use ranks 0..3"):
         build_from_config(demo_data(), EXPIRES_AT, bad)
+
+
+# ---- capacity: all nodes or none ----------------------------------------------------------------
+def test_all_or_nothing_reservation_for_on_demand_nodes(demo_plan):
+    """One On-Demand Capacity Reservation for all node_count instances, in the placement group,
+    targeted by the launch template: EC2 grants it whole or fails it before any node launches."""
+    m = demo_plan.mocks
+    reservation = m.one("aws:ec2/capacityReservation:CapacityReservation")
+    group = m.one(PG)
+    assert reservation.inputs["instanceCount"] == 4.0
+    assert reservation.inputs["instanceType"] == "p4d.24xlarge"
+    assert reservation.inputs["availabilityZone"] == "us-east-1b"
+    assert reservation.inputs["instanceMatchCriteria"] == "targeted"
+    assert reservation.inputs["placementGroupArn"] == f"<{group.name}.arn>"
+    assert reservation.inputs["instancePlatform"] == "Linux/UNIX"
+    assert reservation.tags[CLUSTER_TAG] == "demo"
+    # Still one instance per rank (replace RANK), all from the template that targets it.
+    assert [int(n.tags[RANK_TAG]) for n in nodes(demo_plan)] == [0, 1, 2, 3]
+
+
+def test_existing_placement_group_reservation_gets_its_arn_from_the_account():
+    plan = plan_of(placement_group={"existing_name": "team-pg"})
+    reservation = plan.mocks.one("aws:ec2/capacityReservation:CapacityReservation")
+    assert reservation.inputs["placementGroupArn"] == \
+        "arn:aws:ec2:us-east-1:<account id>:placement-group/team-pg"
+
+
+@pytest.mark.parametrize("capacity", [{"type": "spot"}, {"all_or_nothing": False},
+                                      {"type": "capacity-reservation", "reservation_id": RESERVATION}])
+def test_no_program_reservation_for_spot_opt_out_or_a_given_reservation(capacity):
+    plan = plan_of(capacity=capacity)
+    assert "aws:ec2/capacityReservation:CapacityReservation" not in plan.mocks.counts()
+    assert "demo-expiry-capacity" not in _schedules(plan)
