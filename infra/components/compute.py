@@ -183,7 +183,8 @@ class Compute(pulumi.ComponentResource):
         elif capacity.type is CapacityType.CAPACITY_BLOCK:
             market = {"market_type": "capacity-block"}
         reservation = None
-        reservation_id = capacity.reservation_id if capacity.uses_reservation else self.capacity_reservation_id
+        reservation_id = (capacity.reservation_id if capacity.uses_reservation
+                          else self.capacity_reservation_id)
         if reservation_id is not None:
             reservation = {"capacity_reservation_target": {"capacity_reservation_id": reservation_id}}
         placement = {"group_name": self.placement_group_name} if self.placement_group_name else None

@@ -142,3 +142,35 @@ class Ec2Extras:
         if missing:
             return self._error("InvalidCapacityReservationId.NotFound", f"{missing[0]} not found")
         return self._ok({"CapacityReservations": [self.reservations[r] for r in wanted]})
+
+
+class IamSimulation:
+    """iam:SimulatePrincipalPolicy, which moto does not implement, answered on an IAM client through
+    the before-call hook: every action allowed except `denied`; `refuse` makes the call itself fail
+    with that error code (a caller without the right to simulate)."""
+
+    def __init__(self, client):
+        self.denied: set[str] = set()
+        self.refuse: str | None = None
+        self.principals: list[str] = []
+        events = client.meta.events
+        events.register("before-parameter-build.iam.SimulatePrincipalPolicy", Ec2Extras._keep_params)
+        events.register("before-call.iam.SimulatePrincipalPolicy",
+                        lambda context, **_: self._answer(context["fake_params"]))
+
+    def _answer(self, params):
+        self.principals.append(params["PolicySourceArn"])
+        if self.refuse:
+            return Ec2Extras._error(self.refuse, "not authorized to perform iam:SimulatePrincipalPolicy")
+        return Ec2Extras._ok({"IsTruncated": False, "EvaluationResults": [
+            {"EvalActionName": action, "EvalResourceName": "*",
+             "EvalDecision": "explicitDeny" if action in self.denied else "allowed"}
+            for action in params["ActionNames"]]})
+
+
+@pytest.fixture(autouse=True)
+def iam_simulation(monkeypatch) -> IamSimulation:
+    client = _shared_session().client("iam", region_name=REGION)
+    fake = IamSimulation(client)
+    monkeypatch.setattr(AwsClients, "iam", property(lambda _: client))
+    return fake
