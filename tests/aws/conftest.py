@@ -91,7 +91,8 @@ class Ec2Extras:
         for operation, answer in (("CreatePlacementGroup", self._create_pg),
                                   ("DescribePlacementGroups", self._describe_pgs),
                                   ("DeletePlacementGroup", self._delete_pg),
-                                  ("DescribeCapacityReservations", self._describe_reservations)):
+                                  ("DescribeCapacityReservations", self._describe_reservations),
+                                  ("CancelCapacityReservation", self._cancel_reservation)):
             # before-call sees only the serialized request: keep the caller's parameters for it.
             events.register(f"before-parameter-build.ec2.{operation}", self._keep_params)
             events.register(f"before-call.ec2.{operation}",
@@ -141,7 +142,23 @@ class Ec2Extras:
         missing = [r for r in wanted if r not in self.reservations]
         if missing:
             return self._error("InvalidCapacityReservationId.NotFound", f"{missing[0]} not found")
-        return self._ok({"CapacityReservations": [self.reservations[r] for r in wanted]})
+        found = [self.reservations[r] for r in wanted]
+        for f in params.get("Filters", []):
+            if f["Name"].startswith("tag:"):
+                key = f["Name"][4:]
+                found = [r for r in found if any(t["Key"] == key and t["Value"] in f["Values"]
+                                                 for t in r.get("Tags", []))]
+            elif f["Name"] == "state":
+                found = [r for r in found if r.get("State") in f["Values"]]
+        return self._ok({"CapacityReservations": found})
+
+    def _cancel_reservation(self, params):
+        self.calls.append("CancelCapacityReservation")
+        reservation = self.reservations.get(params["CapacityReservationId"])
+        if reservation is None:
+            return self._error("InvalidCapacityReservationId.NotFound", "not found")
+        reservation["State"] = "cancelled"
+        return self._ok({"Return": True})
 
 
 class IamSimulation:
@@ -168,9 +185,25 @@ class IamSimulation:
             for action in params["ActionNames"]]})
 
 
+class _LazyIam:
+    """The IAM client with the simulation, created on first use (after the credentials are set)."""
+
+    def __init__(self):
+        self.client = None
+        self.fake = IamSimulation.__new__(IamSimulation)
+        self.fake.denied, self.fake.refuse, self.fake.principals = set(), None, []
+
+    def get(self, _clients=None):
+        if self.client is None:
+            self.client = _shared_session().client("iam", region_name=REGION)
+            denied, refuse, principals = self.fake.denied, self.fake.refuse, self.fake.principals
+            self.fake.__init__(self.client)
+            self.fake.denied, self.fake.refuse, self.fake.principals = denied, refuse, principals
+        return self.client
+
+
 @pytest.fixture(autouse=True)
 def iam_simulation(monkeypatch) -> IamSimulation:
-    client = _shared_session().client("iam", region_name=REGION)
-    fake = IamSimulation(client)
-    monkeypatch.setattr(AwsClients, "iam", property(lambda _: client))
-    return fake
+    lazy = _LazyIam()
+    monkeypatch.setattr(AwsClients, "iam", property(lazy.get))
+    return lazy.fake

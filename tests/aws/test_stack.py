@@ -93,7 +93,7 @@ def test_up_creates_nothing_when_preflight_fails(fake_pulumi, aws, stub_quotas, 
     message = str(err.value)
     assert message.startswith("pre-flight failed, nothing was created:")
     assert "set availability_zone to one of us-east-1b, us-east-1c" in message
-    assert "[1/9] instance type offered in AZ ..." in lines
+    assert f"[1/{len(stack.preflight.CHECKS)}] instance type offered in AZ ..." in lines
     stub_quotas.assert_no_pending_responses()
     # The CLI was only asked for its version; no key was generated; AWS holds nothing new.
     assert fake_pulumi.read_text().split("\n")[:-1] == ["version"]
