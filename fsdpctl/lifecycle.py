@@ -180,7 +180,10 @@ def cmd_status(args: Namespace) -> int:
         else:
             say(f"expires at {expiry_text(record.expires_at, left=True)}; `fsdpctl extend --hours N` "
                 "moves it")
-    if summary["cost_per_hour"]:
+    if summary["cost_per_hour"] and summary["expired"]:
+        say(f"cost: only the checkpoint bucket's S3 storage since the expiry (about "
+            f"{summary['cost_per_hour']:,.2f} USD per hour once `up` brings it back)")
+    elif summary["cost_per_hour"]:
         say(f"cost: about {summary['cost_per_hour']:,.2f} USD per hour (the plan's known prices)")
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
@@ -217,7 +220,7 @@ def cmd_list(args: Namespace) -> int:
         if "error" in row:
             say(f"{mark} {row['name']:<20} {row['error']}")
             continue
-        cost = "-" if row["cost_per_hour"] is None else f"{row['cost_per_hour']:,.2f}"
+        cost = "-" if row["cost_per_hour"] is None or row["expired"] else f"{row['cost_per_hour']:,.2f}"
         say(f"{mark} {row['name']:<20} {row['target']:<6} {row['nodes']:>5} {row['age']:>7} "
             f"{expiry_text(row['expires_at']):<34} {cost:>9}")
     return 0
