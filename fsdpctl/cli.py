@@ -36,6 +36,7 @@ HANDLERS = {
     "down": "fsdpctl.lifecycle:cmd_down",
     "exclude": "fsdpctl.lifecycle:cmd_exclude",
     "replace": "fsdpctl.lifecycle:cmd_replace",
+    "extend": "fsdpctl.lifecycle:cmd_extend",
     "demo": "fsdpctl.cli:cmd_demo",
     "completion": "fsdpctl.cli:cmd_completion",
 }
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("replace", "Replace a node with a new one of the same rank, then configure and deploy to it.")
     sp.add_argument("rank", type=int, metavar="RANK", help="the node's rank")
     yes_argument(sp, "destroy the old node")
+
+    sp = cmd("extend", "Move an aws cluster's expiry N hours later (the AWS-side schedules move with it).")
+    sp.add_argument("--hours", type=int, required=True, metavar="N", help="hours to add to the expiry")
+    yes_argument(sp, "keep the cluster billing longer")
 
     sp = cmd("demo", "The main job on the local target: up -> configure -> deploy -> smoke -> down.",
              cluster=False)

@@ -1,5 +1,5 @@
-"""A cluster's life, the same for every target: `fsdpctl up`, `down`, `status`, `list`, `exclude`
-and `replace`.
+"""A cluster's life, the same for every target: `fsdpctl up`, `down`, `status`, `list`, `exclude`,
+`replace` and (aws) `extend`.
 
 The target (`fsdpctl.targets`: aws or local) makes and removes nodes; this module decides what to
 ask, records the result, writes the inventory and, for `replace`, configures and deploys the new
@@ -135,6 +135,18 @@ def _age(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours < 48 else f"{hours // 24}d{hours % 24:02d}h"
 
 
+def expiry_text(expires_at: str | None, now: dt.datetime | None = None, *, left: bool = False) -> str:
+    """How `status` (left=True: with the time left) and `list` show the expiry: the time, and
+    whether it has passed."""
+    if not expires_at:
+        return "-"
+    when = dt.datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    remaining = when - (now or dt.datetime.now(dt.UTC))
+    if remaining.total_seconds() <= 0:
+        return f"{expires_at} (EXPIRED)"
+    return f"{expires_at} (in {_age(remaining.total_seconds())})" if left else expires_at
+
+
 def _summary(state: ClusterState, record: ClusterRecord) -> dict[str, Any]:
     """What `list` and `status` show of a cluster, as plain values."""
     spec = state.spec()
@@ -142,6 +154,7 @@ def _summary(state: ClusterState, record: ClusterRecord) -> dict[str, Any]:
             "nodes": len(record.nodes), "excluded": sorted(record.excluded_ranks()),
             "created_at": dt.datetime.fromtimestamp(record.created_at, dt.UTC).isoformat(timespec="seconds"),
             "age": _age(time.time() - record.created_at), "expires_at": record.expires_at,
+            "expired": bool(record.expires_at) and expiry_text(record.expires_at).endswith("(EXPIRED)"),
             "cost_per_hour": 0.0 if record.target == "local" else record.cost_per_hour}
 
 
@@ -161,8 +174,17 @@ def cmd_status(args: Namespace) -> int:
     say(f"cluster {state.name}: target {record.target}, {len(record.nodes)} node(s), created "
         f"{summary['age']} ago, state {state.root}")
     if record.expires_at:
-        say(f"expires at {record.expires_at}")
-    if summary["cost_per_hour"]:
+        if summary["expired"]:
+            say(f"EXPIRED at {record.expires_at}: the expiry schedules stopped the nodes, bastion, NAT "
+                f"gateway and file system; `fsdpctl up {state.spec_path}` brings them back, "
+                f"`fsdpctl down --cluster {state.name}` removes the rest")
+        else:
+            say(f"expires at {expiry_text(record.expires_at, left=True)}; `fsdpctl extend --hours N` "
+                "moves it")
+    if summary["cost_per_hour"] and summary["expired"]:
+        say(f"cost: only the checkpoint bucket's S3 storage since the expiry (about "
+            f"{summary['cost_per_hour']:,.2f} USD per hour once `up` brings it back)")
+    elif summary["cost_per_hour"]:
         say(f"cost: about {summary['cost_per_hour']:,.2f} USD per hour (the plan's known prices)")
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
@@ -193,15 +215,15 @@ def cmd_list(args: Namespace) -> int:
     if not rows:
         say(f"no clusters under {state_mod.home()}; create one with `fsdpctl up SPEC.yaml`")
         return 0
-    say(f"  {'NAME':<20} {'TARGET':<6} {'NODES':>5} {'AGE':>7} {'EXPIRES (UTC)':<20} {'USD/HOUR':>9}")
+    say(f"  {'NAME':<20} {'TARGET':<6} {'NODES':>5} {'AGE':>7} {'EXPIRES (UTC)':<34} {'USD/HOUR':>9}")
     for row in rows:
         mark = "*" if row["current"] else " "
         if "error" in row:
             say(f"{mark} {row['name']:<20} {row['error']}")
             continue
-        cost = "-" if row["cost_per_hour"] is None else f"{row['cost_per_hour']:,.2f}"
+        cost = "-" if row["cost_per_hour"] is None or row["expired"] else f"{row['cost_per_hour']:,.2f}"
         say(f"{mark} {row['name']:<20} {row['target']:<6} {row['nodes']:>5} {row['age']:>7} "
-            f"{row['expires_at'] or '-':<20} {cost:>9}")
+            f"{expiry_text(row['expires_at']):<34} {cost:>9}")
     return 0
 
 
@@ -268,4 +290,22 @@ def cmd_replace(args: Namespace) -> int:
                                    "run `fsdpctl deploy`.") from None
     say(f"{node.name} replaced and configured" + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")
+    return 0
+
+
+def cmd_extend(args: Namespace) -> int:
+    """Move an aws cluster's expiry N hours later (the schedules on AWS's side move with it)."""
+    line_buffered()
+    if args.hours < 1:
+        raise UsageError(f"--hours {args.hours}: extend by at least 1 hour, e.g. --hours 4")
+    state = state_mod.resolve(args.cluster)
+    record = state.read()
+    if record.target != "aws":
+        raise UsageError(f"cluster {state.name} is on the {record.target} target, which has no expiry; "
+                         "`fsdpctl extend` applies to aws clusters")
+    from fsdpctl.targets.aws import stack
+
+    with state.operation("extend"):
+        stack.extend(state, state.spec(), hours=args.hours, out=say,
+                     approve=lambda question: confirm(question, yes=args.yes, what="fsdpctl extend"))
     return 0

@@ -3,13 +3,17 @@
 The catalog is what offline planning, the Pulumi program, the Ansible inventory and the smoke test
 read when no AWS credentials are at hand; `fsdpctl preflight` checks it against
 `describe_instance_types` when they are. Sources: the AWS EC2 accelerated-computing instance docs and
-the EFA user guide (see docs/aws-facts.md).
+the EFA user guide; every figure and its source page is in infra/data/instance_types.yaml.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
+from importlib import resources
+
+import yaml
 
 
 @dataclass(frozen=True)
@@ -29,33 +33,42 @@ class InstanceType:
     # Healthy all-reduce bus bandwidth between two or more such nodes (nccl-tests busbw, >= 1 GB
     # messages), minus a margin: below it the cluster is on too few EFAs or on TCP sockets.
     allreduce_busbw_gate_gbps: float
+    # How the launch template lays out the EFA interfaces: "basic" or "p5" (see the data file).
+    efa_layout: str = "basic"
 
 
-CATALOG: dict[str, InstanceType] = {
-    t.name: t
-    for t in (
-        InstanceType(
-            name="p4d.24xlarge", gpus=8, gpu_model="A100-SXM4-40GB", gpu_memory_gib=40, vcpus=96,
-            memory_gib=1152, network_cards=4, efa_interfaces=4, nvme_devices=8, nvme_device_gb=1000,
-            peak_bf16_tflops_per_gpu=312.0, nvswitch=True, allreduce_busbw_gate_gbps=70.0,
-        ),
-        InstanceType(
-            name="p4de.24xlarge", gpus=8, gpu_model="A100-SXM4-80GB", gpu_memory_gib=80, vcpus=96,
-            memory_gib=1152, network_cards=4, efa_interfaces=4, nvme_devices=8, nvme_device_gb=1000,
-            peak_bf16_tflops_per_gpu=312.0, nvswitch=True, allreduce_busbw_gate_gbps=70.0,
-        ),
-        InstanceType(
-            name="p5.48xlarge", gpus=8, gpu_model="H100-SXM5-80GB", gpu_memory_gib=80, vcpus=192,
-            memory_gib=2048, network_cards=32, efa_interfaces=32, nvme_devices=8, nvme_device_gb=3800,
-            peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0,
-        ),
-        InstanceType(
-            name="p5en.48xlarge", gpus=8, gpu_model="H200-SXM5-141GB", gpu_memory_gib=141, vcpus=192,
-            memory_gib=2048, network_cards=16, efa_interfaces=16, nvme_devices=8, nvme_device_gb=3840,
-            peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0,
-        ),
-    )
-}
+EFA_LAYOUTS = ("basic", "p5")
+
+
+def _load() -> dict[str, InstanceType]:
+    data = yaml.safe_load(resources.files("infra").joinpath("data/instance_types.yaml").read_text())
+    fields = {f.name for f in dataclasses.fields(InstanceType)} - {"name"}
+    return {name: InstanceType(name=name, **{k: v for k, v in entry.items() if k in fields})
+            for name, entry in data["types"].items()}
+
+
+CATALOG: dict[str, InstanceType] = _load()
+
+
+@dataclass(frozen=True)
+class Offerings:
+    """The dated table of which regions offer which type (infra/data/offerings.yaml)."""
+
+    as_of: str
+    source: str
+    prices: dict[str, dict[str, float | None]]  # type -> region -> on-demand USD/hour (None: no on-demand)
+
+    def regions(self, instance_type: str) -> list[str]:
+        return sorted(self.prices.get(instance_type, {}))
+
+    def offered(self, instance_type: str, region: str) -> bool:
+        return region in self.prices.get(instance_type, {})
+
+
+def offerings() -> Offerings:
+    data = yaml.safe_load(resources.files("infra").joinpath("data/offerings.yaml").read_text())
+    return Offerings(as_of=str(data["as_of"]), source=str(data["source"]),
+                     prices={t: dict(regions or {}) for t, regions in data["types"].items()})
 
 
 def nearest_instance_types(name: str, limit: int = 3) -> list[str]:

@@ -30,6 +30,9 @@ class Registration:
     id: str | None
     urn: str | None = None
     component: str | None = None  # the enclosing ComponentResource type, from the URN
+    # Resource options the engine would apply (from the registration request).
+    ignore_changes: list[str] = field(default_factory=list)
+    retain_on_delete: bool = False
 
     @property
     def tags(self) -> dict[str, str]:
@@ -46,13 +49,29 @@ def placeholder(resource_name: str, attribute: str) -> str:
     return f"<{resource_name}.{attribute}>"
 
 
+def region_partition(region: str) -> tuple[str, str]:
+    """What aws.get_partition answers for a region: (partition, reverse DNS prefix)."""
+    if region.startswith("cn-"):
+        return "aws-cn", "cn.com.amazonaws"
+    if region.startswith("us-gov-"):
+        return "aws-us-gov", "com.amazonaws"
+    if region.startswith("us-isob-"):
+        return "aws-iso-b", "gov.sgov.sc2s"
+    if region.startswith("us-iso-"):
+        return "aws-iso", "gov.ic.c2s"
+    return "aws", "com.amazonaws"
+
+
 def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, Any]:
     """Attributes AWS assigns at creation, as placeholders."""
     state: dict[str, Any] = {
         "arn": placeholder(name, "arn"),
         "name": inputs.get("name") or placeholder(name, "name"),
     }
-    if typ == "aws:ec2/instance:Instance":
+    if typ == "aws:ec2/launchTemplate:LaunchTemplate":
+        state["latestVersion"] = 1
+        state["defaultVersion"] = 1
+    elif typ == "aws:ec2/instance:Instance":
         state["privateIp"] = placeholder(name, "private_ip")
         state["publicIp"] = placeholder(name, "public_ip") if inputs.get("associatePublicIpAddress") else None
     elif typ == "aws:ec2/eip:Eip":
@@ -61,6 +80,15 @@ def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, An
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
         state["dnsName"] = placeholder(name, "dns_name")
         state["mountName"] = placeholder(name, "mount_name")
+    elif typ == "time:index/offset:Offset":
+        # pulumiverse-time: the base time (now, when not given) plus the offset, fixed at creation.
+        from datetime import UTC, datetime, timedelta
+
+        base = inputs.get("baseRfc3339") or datetime.now(UTC).replace(microsecond=0).isoformat()
+        when = datetime.fromisoformat(base.replace("Z", "+00:00")) + timedelta(
+            hours=float(inputs.get("offsetHours") or 0), minutes=float(inputs.get("offsetMinutes") or 0))
+        state["baseRfc3339"] = base.replace("+00:00", "Z")
+        state["rfc3339"] = when.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
     elif typ == "aws:s3/bucket:Bucket":
         state["bucket"] = inputs.get("bucket") or f"{inputs.get('bucketPrefix', '')}<unique suffix>"
     return state
@@ -73,10 +101,13 @@ class RecordingMocks:
         self.registrations: list[Registration] = []
         self.lookups: list[Lookup] = []
         self.by_id: dict[str, Registration] = {}
+        self.region = "us-east-1"  # the explicit provider's, once registered
 
     # The pulumi.runtime.Mocks interface, duck-typed so this module imports pulumi only when planning.
     def new_resource(self, args: Any) -> tuple[str | None, dict[str, Any]]:
         custom = bool(args.custom)
+        if args.typ == "pulumi:providers:aws" and args.inputs.get("region"):
+            self.region = args.inputs["region"]
         resource_id = placeholder(args.name, "id") if custom else None
         record = Registration(
             type=args.typ, name=args.name, inputs=dict(args.inputs), custom=custom, id=resource_id
@@ -96,6 +127,13 @@ class RecordingMocks:
                 "type": "String",
                 "value": f"<AMI from SSM {args.args['name']}>",
             }
+        if args.token == "aws:index/getPartition:getPartition":
+            partition, prefix = region_partition(self.region)
+            return {"id": partition, "partition": partition, "reverseDnsPrefix": prefix,
+                    "dnsSuffix": "amazonaws.com.cn" if partition == "aws-cn" else "amazonaws.com"}
+        if args.token == "aws:index/getCallerIdentity:getCallerIdentity":
+            return {"accountId": "<account id>", "arn": "<caller arn>", "id": "<account id>",
+                    "userId": "<user id>"}
         if args.token == "aws:ec2/getAmi:getAmi":
             return {"rootDeviceName": "<root device of the AMI>"}
         return {}
@@ -151,6 +189,7 @@ def run_offline(
     *,
     mocks: RecordingMocks | None = None,
     project: str = "fsdp-cluster",
+    retemplate: frozenset[int] = frozenset(),
 ) -> OfflinePlan:
     """Run the Pulumi program under the recording mocks; return the graph and the resolved stack
     outputs. Given a raw mapping instead of a ClusterSpec, the program validates it itself, exactly
@@ -162,11 +201,23 @@ def run_offline(
     # pulumi_aws is slow to import: only when planning.
     from infra.program import build_cluster, build_from_config
 
+    class RecordingMonitor(MockMonitor):
+        """Pulumi's mock monitor, also keeping the options of each registration (ignoreChanges,
+        retainOnDelete), which the Mocks interface does not see."""
+
+        options: dict[tuple[str, str], tuple[list[str], bool]] = {}
+
+        def RegisterResource(self, request):  # the gRPC method name
+            self.options[(request.type, request.name)] = (list(request.ignoreChanges),
+                                                          bool(request.retainOnDelete))
+            return super().RegisterResource(request)
+
     mocks = mocks or RecordingMocks()
-    monitor = MockMonitor(mocks)
+    monitor = RecordingMonitor(mocks)
+    monitor.options = {}
     outputs: dict[str, Any] = {}
     if isinstance(spec, ClusterSpec):
-        stack, build = spec.name, lambda: build_cluster(spec, expires_at)
+        stack, build = spec.name, lambda: build_cluster(spec, expires_at, retemplate=retemplate)
     else:
         stack, build = str(spec.get("name") or "stack"), lambda: build_from_config(spec, expires_at)
     loop = asyncio.new_event_loop()
@@ -184,6 +235,8 @@ def run_offline(
     for record in mocks.registrations:
         record.urn = urns.get((record.type, record.name))
         record.component = _component_of(record.urn) if record.urn else None
+        record.ignore_changes, record.retain_on_delete = monitor.options.get(
+            (record.type, record.name), ([], False))
     parsed = spec if isinstance(spec, ClusterSpec) else parse_spec(spec)
     return OfflinePlan(spec=parsed, expires_at=expires_at, mocks=mocks, outputs=outputs)
 

@@ -3,9 +3,10 @@
 `build_cluster(spec, expires_at)` assembles the components (infra/components/) in dependency order
 and returns the stack outputs (the contract the operator tool reads after `pulumi up`). `run_stack()`
 is what `pulumi up` runs (infra/__main__.py): it reads the stack config `fsdp-cluster:cluster` (the
-spec as an object) and `fsdp-cluster:expiresAt` (ISO 8601 UTC, pinned by `fsdpctl up` at first
-creation so the expiry does not move on every update). The same `build_cluster` runs under Pulumi's
-mocks for `fsdpctl plan` (infra/offline.py) and the tests.
+spec as an object) and `fsdp-cluster:expiresAt` (ISO 8601 UTC, pinned by `fsdpctl up`
+and moved by `fsdpctl extend`; when absent, a pulumiverse-time Offset resource records the creation
+time and adds expiry_hours, so plain `pulumi up` with only the cluster set works too). The same
+`build_cluster` runs under Pulumi's mocks for `fsdpctl plan` (infra/offline.py) and the tests.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pulumi_aws as aws
 
 from infra.components.compute import Compute
 from infra.components.context import ClusterContext
-from infra.components.expiry import Expiry
+from infra.components.expiry import BilledResources, Expiry
 from infra.components.identity import Identity
 from infra.components.network import Network
 from infra.components.security import Security
@@ -27,23 +28,22 @@ from infra.spec import PULUMI_CONFIG_KEY, ClusterSpec, Problem, SpecError, parse
 
 PROJECT = "fsdp-cluster"
 EXPIRES_AT_KEY = f"{PROJECT}:expiresAt"
+# Ranks whose node takes the launch template's current version in this run (set by
+# `fsdpctl replace RANK` for its one `pulumi up --replace`; absent otherwise).
+RETEMPLATE_KEY = f"{PROJECT}:retemplate"
 OUTPUT_NAMES = (
     "nodes", "bastion_public_ip", "ssh_user", "checkpoint_bucket", "fsx_dns_name", "fsx_mount_name",
     "placement_group", "security_group_id", "vpc_id", "private_subnet_id", "ami_id", "key_name",
+    "expires_at",
 )
 
 
-def parse_expires_at(value: str | None, spec: ClusterSpec) -> datetime | None:
-    """The pinned expiry time, or None when the spec disables expiry. Bad or missing values raise
-    SpecError (before anything is registered)."""
-    if spec.expiry_hours is None:
+def parse_expires_at(value: str | None, spec: ClusterSpec) -> str | None:
+    """The expiry time the stack config pins (ISO 8601 UTC, '...Z'), or None: expiry disabled, or
+    not pinned (the program's clock resource decides then). A bad value raises SpecError before
+    anything is registered."""
+    if spec.expiry_hours is None or not value:
         return None
-    if not value:
-        example = datetime.now(UTC).replace(microsecond=0, second=0)
-        raise SpecError([Problem(
-            EXPIRES_AT_KEY, value, f"is required because expiry_hours is {spec.expiry_hours}",
-            "run `fsdpctl up` (it pins the time), or `pulumi config set fsdp-cluster:expiresAt "
-            f"{example.isoformat().replace('+00:00', 'Z')}` with now + expiry_hours")], "stack config")
     try:
         when = datetime.fromisoformat(value)
     except ValueError:
@@ -51,8 +51,20 @@ def parse_expires_at(value: str | None, spec: ClusterSpec) -> datetime | None:
     if when is None or when.tzinfo is None or when.utcoffset().total_seconds() != 0:
         raise SpecError([Problem(
             EXPIRES_AT_KEY, value, "is not an ISO 8601 UTC time",
-            "use the form 2026-12-03T13:00:00Z")], "stack config")
-    return when
+            "use the form 2026-12-03T13:00:00Z, or remove the key to expire expiry_hours after "
+            "creation")], "stack config")
+    return when.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
+
+
+def expiry_clock(spec: ClusterSpec) -> pulumi.Output[str]:
+    """The expiry time of a stack whose config pins none (plain `pulumi up` with only
+    fsdp-cluster:cluster set): a pulumiverse-time Offset, which records the creation time once in
+    the stack state and adds expiry_hours to it. Later updates keep the same time (changing
+    expiry_hours moves it relative to the recorded creation time); `pulumi config set
+    fsdp-cluster:expiresAt ...` overrides it."""
+    import pulumiverse_time
+
+    return pulumiverse_time.Offset(f"{spec.name}-expiry-clock", offset_hours=spec.expiry_hours).rfc3339
 
 
 def expiry_time(spec: ClusterSpec, now: datetime | None = None) -> str | None:
@@ -63,12 +75,18 @@ def expiry_time(spec: ClusterSpec, now: datetime | None = None) -> str | None:
     return (start + timedelta(hours=spec.expiry_hours)).isoformat().replace("+00:00", "Z")
 
 
-def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
+def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
+                  retemplate: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Register every resource of the cluster and return the stack outputs (Outputs and plain
     values), keyed as OUTPUT_NAMES."""
-    expiry = parse_expires_at(expires_at, spec)
+    pinned = parse_expires_at(expires_at, spec)
     provider = aws.Provider(f"{spec.name}-aws", region=spec.region)
-    ctx = ClusterContext(spec=spec, expires_at=expires_at if expiry else None, provider=provider)
+    expiry: pulumi.Input[str] | None = None
+    if spec.expiry_hours is not None:
+        expiry = pinned or expiry_clock(spec)
+    partition = aws.get_partition(opts=pulumi.InvokeOptions(provider=provider))
+    ctx = ClusterContext(spec=spec, expires_at=expiry, provider=provider,
+                         partition=partition.partition, reverse_dns_prefix=partition.reverse_dns_prefix)
     opts = pulumi.ResourceOptions(providers=[provider])
 
     network = Network(ctx, opts=opts)
@@ -79,9 +97,15 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
         ctx, private_subnet_id=network.private_subnet_id, public_subnet_id=network.public_subnet_id,
         node_security_group_id=security.node_security_group_id,
         bastion_security_group_id=security.bastion_security_group_id,
-        instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name, opts=opts)
+        instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name,
+        retemplate=retemplate, opts=opts)
     if expiry is not None:
-        Expiry(ctx, expiry, [node.id for node in compute.nodes], opts=opts)
+        Expiry(ctx, expiry, BilledResources(
+            instance_ids=[node.id for node in compute.nodes]
+            + ([compute.bastion_id] if compute.bastion_id is not None else []),
+            nat_gateway_id=network.nat_gateway_id, nat_allocation_id=network.nat_allocation_id,
+            file_system_id=storage.fsx_id,
+            capacity_reservation_id=compute.capacity_reservation_id), opts=opts)
 
     nodes = pulumi.Output.all(*[pulumi.Output.all(n.id, n.private_ip) for n in compute.nodes]).apply(
         lambda pairs: [
@@ -102,6 +126,7 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None) -> dict[str, Any]:
         "private_subnet_id": network.private_subnet_id,
         "ami_id": compute.ami_id,
         "key_name": identity.key_name,
+        "expires_at": expiry,
     }
 
 
@@ -111,18 +136,25 @@ def node_urn(stack: str, spec: ClusterSpec, rank: int) -> str:
             f"{spec.node_name(rank)}")
 
 
-def build_from_config(cluster: Any, expires_at: str | None) -> dict[str, Any]:
+def build_from_config(cluster: Any, expires_at: str | None, retemplate: Any = None) -> dict[str, Any]:
     """Validate the stack config object into a spec, then build the cluster. Every problem is
     raised as one SpecError before the first resource is registered."""
     spec = parse_spec(cluster, source=f"stack config {PULUMI_CONFIG_KEY}")
-    return build_cluster(spec, expires_at)
+    ranks = retemplate or []
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and 0 <= r < spec.node_count
+                                              for r in ranks):
+        raise SpecError([Problem(RETEMPLATE_KEY, retemplate, "is not a list of node ranks",
+                                 f"use ranks 0..{spec.node_count - 1}, e.g. [0], or remove the key")],
+                        "stack config")
+    return build_cluster(spec, expires_at, retemplate=frozenset(ranks))
 
 
 def run_stack() -> None:
     """The body of infra/__main__.py: config -> spec -> resources -> stack outputs."""
     config = pulumi.Config(PROJECT)
     try:
-        outputs = build_from_config(config.require_object("cluster"), config.get("expiresAt"))
+        outputs = build_from_config(config.require_object("cluster"), config.get("expiresAt"),
+                                    config.get_object("retemplate"))
     except SpecError as e:
         # A clean error listing every problem, instead of a Python traceback.
         raise pulumi.RunError(str(e)) from None

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from fsdpctl.errors import UsageError
+from infra.catalog import CATALOG, offerings
 from infra.offline import OfflinePlan, Registration
 from infra.spec import yaml_error_text
 
@@ -109,21 +110,37 @@ class CostEstimate:
         }
 
 
-def _market_of(template: Registration) -> str:
+def _market_of(template: Registration, own_reservations: set[str] = frozenset()) -> str:
     market = (template.inputs.get("instanceMarketOptions") or {}).get("marketType")
     if market:
         return market
-    reservation = template.inputs.get("capacityReservationSpecification") or {}
-    return "capacity-reservation" if reservation.get("capacityReservationTarget") else "on-demand"
+    target = (template.inputs.get("capacityReservationSpecification") or {}).get("capacityReservationTarget")
+    if target and target.get("capacityReservationId") not in own_reservations:
+        return "capacity-reservation"
+    return "on-demand"
 
 
 def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
     """Hourly cost of what the plan would create, read off the resource graph (not the spec), so
     the estimate prices exactly what `pulumi up` would build."""
     mocks, region = plan.mocks, plan.spec.region
-    table = (prices.get("regions") or {}).get(region) or {}
+    regions = prices.get("regions") or {}
+    fallback = prices.get("fallback_region")
+    table = regions.get(region)
+    borrowed = ""
+    if table is None and fallback in regions:
+        # Regions the offerings table covers but the service price list does not: the GPU price is
+        # the region's own (offerings), NAT/IPv4/EBS/FSx are the fallback region's rates.
+        table, borrowed = regions[fallback], f"{fallback} rate; {region} may differ"
+    table = table or {}
     hours_per_month = float(prices.get("hours_per_month", 730))
-    instance_hour = table.get("instance_hour") or {}
+    region_offerings = {itype: hourly for itype, by_region in offerings().prices.items()
+                        for r, hourly in by_region.items() if r == region and hourly is not None}
+    small = {}  # the bastion's type at the fallback region's rate
+    if borrowed:
+        small = {itype: hourly for itype, hourly in (table.get("instance_hour") or {}).items()
+                 if itype not in CATALOG}
+    instance_hour = {**small, **region_offerings, **(regions.get(region) or {}).get("instance_hour", {})}
     missing = f"not in the price table for {region}; pass --prices FILE"
     lines: list[CostLine] = []
 
@@ -149,13 +166,14 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 1,
                 "instance-hour",
                 price(instance_hour.get(itype)),
-                "" if itype in instance_hour else missing,
+                (borrowed if itype in small else "") if itype in instance_hour else missing,
             )
         )
         ebs_gib += float((instance.inputs.get("rootBlockDevice") or {}).get("volumeSize") or 0)
+    own = {r.id for r in mocks.of_type("aws:ec2/capacityReservation:CapacityReservation")}
     for template_id, count in nodes_by_template.items():
         template = mocks.by_id[template_id]
-        itype, market = template.inputs.get("instanceType"), _market_of(template)
+        itype, market = template.inputs.get("instanceType"), _market_of(template, own)
         for mapping in template.inputs.get("blockDeviceMappings") or []:
             ebs_gib += count * float((mapping.get("ebs") or {}).get("volumeSize") or 0)
         if market == "spot":
@@ -193,7 +211,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 nat_count,
                 "gateway-hour",
                 price(table.get("nat_gateway_hour")),
-                "plus per-GB data processing",
+                "plus per-GB data processing" + (f" ({borrowed})" if borrowed else ""),
             )
         )
     public_ips = len(mocks.of_type("aws:ec2/eip:Eip")) + sum(
@@ -201,7 +219,8 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
     )
     if public_ips:
         lines.append(
-            CostLine("public IPv4 address", public_ips, "address-hour", price(table.get("public_ipv4_hour")))
+            CostLine("public IPv4 address", public_ips, "address-hour", price(table.get("public_ipv4_hour")),
+                     borrowed)
         )
     if ebs_gib:
         gp3 = table.get("ebs_gp3_gib_month")
@@ -211,7 +230,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 ebs_gib,
                 "GiB-hour",
                 None if gp3 is None else price(gp3) / hours_per_month,
-                "" if gp3 is not None else missing,
+                borrowed if gp3 is not None else missing,
             )
         )
     for lustre in mocks.of_type("aws:fsx/lustreFileSystem:LustreFileSystem"):
@@ -226,7 +245,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 gib,
                 "GiB-hour",
                 None if tier is None else price(tier) / hours_per_month,
-                "" if tier is not None else missing,
+                borrowed if tier is not None else missing,
             )
         )
     return CostEstimate(
@@ -237,3 +256,47 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
         overridden=OVERRIDE_KEY in prices,
     )
 
+
+
+# What bills by the hour (or by the GiB-month) while it exists.
+BILLED_TYPES = {
+    "aws:ec2/instance:Instance": "instance",
+    "aws:ec2/natGateway:NatGateway": "NAT gateway",
+    "aws:ec2/capacityReservation:CapacityReservation": "capacity reservation",
+    "aws:ec2/eip:Eip": "Elastic IP (public IPv4)",
+    "aws:fsx/lustreFileSystem:LustreFileSystem": "FSx for Lustre file system",
+    "aws:s3/bucket:Bucket": "S3 bucket (storage)",
+}
+
+
+@dataclass
+class AfterExpiry:
+    """What the expiry schedules stop, and what keeps billing after them (read off the graph:
+    a billed resource is stopped when a schedule's target input names its id)."""
+
+    stopped: list[str]
+    still_billed: list[str]
+
+
+def after_expiry(plan: OfflinePlan) -> AfterExpiry | None:
+    """None when the cluster has no expiry (everything keeps billing)."""
+    schedules = plan.mocks.of_type("aws:scheduler/schedule:Schedule")
+    if not schedules:
+        return None
+    targeted = " ".join(str((s.inputs.get("target") or {}).get("input", "")) for s in schedules)
+    stopped, still = [], []
+    for record in plan.mocks.resources:
+        kind = BILLED_TYPES.get(record.type)
+        if kind is None:
+            continue
+        ids = [record.id, *(v for k, v in _computed_ids(record))]
+        label = f"{kind} {record.name}"
+        (stopped if any(i and i in targeted for i in ids) else still).append(label)
+    return AfterExpiry(stopped=stopped, still_billed=still)
+
+
+def _computed_ids(record: Registration) -> list[tuple[str, str]]:
+    """Other identifiers a schedule may name a resource by (an Elastic IP's allocation id)."""
+    if record.type == "aws:ec2/eip:Eip":
+        return [("allocation_id", f"<{record.name}.allocation_id>")]
+    return []

@@ -8,7 +8,7 @@ import textwrap
 from datetime import UTC, date, datetime
 from typing import Any
 
-from fsdpctl.plan.cost import CostEstimate, CostLine
+from fsdpctl.plan.cost import CostEstimate, CostLine, after_expiry
 from infra.offline import OfflinePlan, Registration
 from infra.spec import RANK_TAG
 
@@ -99,8 +99,10 @@ def describe(record: Registration) -> str:
         return f"{inputs.get('instanceType')} with a public IP, IMDSv2 {tokens}"
     if record.type == "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration":
         rule = (inputs.get("rules") or [{}])[0]
-        days = int(rule.get("expiration", {}).get("days", 0))
-        return f"objects and noncurrent versions expire after {days} days"
+        current = int(rule.get("expiration", {}).get("days", 0))
+        noncurrent = int(rule.get("noncurrentVersionExpiration", {}).get("noncurrentDays", 0))
+        return (f"every byte deleted within {current + noncurrent} days ({current} current + "
+                f"{noncurrent} noncurrent), expired delete markers removed")
     if record.type == "aws:scheduler/schedule:Schedule":
         target = inputs.get("target") or {}
         return (
@@ -201,11 +203,27 @@ def render_text(plan: OfflinePlan, cost: CostEstimate, today: date | None = None
     if not cost.overridden and age is not None and age > STALE_PRICES_DAYS:
         out += _wrapped(f"  Note: the price table is {age} days old; check current prices or pass "
                         "--prices FILE.", 4)
-    if plan.expires_at:
-        out.append("")
-        out += _wrapped(f"The nodes terminate themselves at {plan.expires_at} (expiry_hours "
-                        f"{spec.expiry_hours}, counted from `fsdpctl up`).", 0)
+    out.append("")
+    out += _after_expiry_lines(plan)
     return "\n".join(out)
+
+
+def _after_expiry_lines(plan: OfflinePlan) -> list[str]:
+    spec, after = plan.spec, after_expiry(plan)
+    if after is None:
+        return _wrapped("No expiry (expiry_hours: null): everything above keeps billing until "
+                        "`fsdpctl down`.", 0)
+    out = _wrapped(f"At {plan.expires_at or 'creation + expiry_hours'} (expiry_hours {spec.expiry_hours}, "
+                   "counted from `fsdpctl up`; `fsdpctl extend --hours N` moves it) the expiry "
+                   "schedules stop on AWS's side:", 0)
+    out += _wrapped("  " + ", ".join(after.stopped), 4)
+    days = spec.checkpoint_bucket.retention_days
+    still = ", ".join(after.still_billed) or "nothing"
+    out += _wrapped(f"What keeps billing after expiry: {still} (S3 storage of the checkpoints; the "
+                    f"lifecycle deletes every byte within {days} days). Everything else left is free "
+                    "(VPC, subnets, security groups, roles, launch template, schedules); `fsdpctl up` "
+                    "brings the cluster back, `fsdpctl down` removes the rest.", 0)
+    return out
 
 
 def render_summary(plan: OfflinePlan, cost: CostEstimate) -> str:
@@ -231,6 +249,8 @@ def render_json(plan: OfflinePlan, cost: CostEstimate) -> str:
             "outputs": plan.outputs,
             "warnings": plan.spec.warnings(),
             "cost": cost.to_dict(),
+            "after_expiry": None if (after := after_expiry(plan)) is None else {
+                "stopped": after.stopped, "still_billed": after.still_billed},
         },
         indent=2,
         default=str,

@@ -21,7 +21,8 @@ from infra.spec import BASTION_SSM_PARAMETERS, RANK_TAG, CapacityType
 # instance metadata; raise to 2 if training runs in containers that need the node role.
 IMDS_HOP_LIMIT = 1
 BASTION_ROOT_GIB = 10
-LAUNCH_TEMPLATE_VERSION = "$Default"
+# The node property that pins its launch template version (ignored after creation; see Compute).
+NODE_TEMPLATE_PROPERTY = "launchTemplate"
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
 
 
@@ -32,11 +33,20 @@ class InterfaceSlot:
     interface_type: str
 
 
-def efa_interface_layout(network_cards: int) -> list[InterfaceSlot]:
-    """The network interfaces of a node, as the EC2 user guide (EFA for accelerated instance types)
-    prescribes: card 0 carries the ENA primary interface (device 0, the node's IP) and an
-    `efa-only` interface (device 1); every other card one `efa-only` interface (device 0). One EFA
-    per network card: 4 on p4d/p4de, 32 on p5."""
+def efa_interface_layout(network_cards: int, layout: str = "basic") -> list[InterfaceSlot]:
+    """The network interfaces of a node, one EFA per network card, as the EC2 user guide
+    ("Maximize network bandwidth on Amazon EC2 instances with multiple network cards",
+    efa-acc-inst-types) prescribes:
+
+    - "basic" (p4d/p4de): card 0 carries the ENA primary interface (device 0, the node's IP) and an
+      `efa-only` interface (device 1); every other card one `efa-only` interface (device 0).
+    - "p5" (p5/p5e/p5en, section "EFA configuration for P5, P5e and P5en instances", use case 1:
+      one private IP, up to 3200 Gbps EFA): card 0 device 0 is an `efa` (EFA with ENA) interface,
+      the node's only IP; cards 1..N-1 carry an `efa-only` interface at device 1.
+    4 EFA on p4d/p4de, 32 on p5/p5e, 16 on p5en."""
+    if layout == "p5":
+        return [InterfaceSlot(0, 0, "efa")] + [InterfaceSlot(card, 1, "efa-only")
+                                                for card in range(1, network_cards)]
     slots = [InterfaceSlot(0, 0, "interface"), InterfaceSlot(0, 1, "efa-only")]
     slots += [InterfaceSlot(card, 0, "efa-only") for card in range(1, network_cards)]
     return slots
@@ -56,49 +66,90 @@ class Compute(pulumi.ComponentResource):
     requested_ami: str
     ami_id: pulumi.Output[str]
     placement_group_name: pulumi.Output[str] | None
+    # The all-or-nothing On-Demand Capacity Reservation the program creates, or None.
+    capacity_reservation_id: pulumi.Output[str] | None
     bastion_public_ip: pulumi.Output[str] | None
+    bastion_id: pulumi.Output[str] | None
 
     def __init__(self, ctx: ClusterContext, *, private_subnet_id: pulumi.Input[str],
                  public_subnet_id: pulumi.Input[str] | None, node_security_group_id: pulumi.Input[str],
                  bastion_security_group_id: pulumi.Input[str] | None,
                  instance_profile_arn: pulumi.Input[str], key_name: pulumi.Input[str] | None,
+                 retemplate: frozenset[int] = frozenset(),
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
         spec = ctx.spec
         self.requested_ami = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
-        self.placement_group_name = self._placement_group(ctx)
-        slots = efa_interface_layout(spec.instance.network_cards)
+        self.placement_group_name, placement_group_arn = self._placement_group(ctx)
+        self.capacity_reservation_id = self._all_or_nothing(ctx, placement_group_arn)
+        slots = efa_interface_layout(spec.instance.network_cards, spec.instance.efa_layout)
         self.efa_count = efa_count(slots)
         template = self._launch_template(ctx, slots, private_subnet_id, node_security_group_id,
                                          instance_profile_arn, key_name)
         # The AMI the nodes actually run (pinned in the template; see _launch_template).
         self.ami_id = template.image_id
+        # Each node records the template version it was created with (the number, not "$Default"
+        # or "$Latest", which would hide which nodes run what). Changes to it are ignored
+        # afterwards: a template change (new AMI, volume size, EFA layout) creates a new template
+        # version but replaces no running node. It reaches a node only through an explicit
+        # `fsdpctl replace RANK`, which names the rank in `retemplate` for that one run, or on
+        # nodes created later (scale-up, a fresh cluster).
+        version = template.latest_version.apply(str)
         self.nodes = [
             aws.ec2.Instance(
                 spec.node_name(rank),
-                # "$Default" (kept current by update_default_version): a template change does not
-                # replace running nodes; a node created later (scale-up, `fsdpctl replace`) gets it.
-                launch_template={"id": template.id, "version": LAUNCH_TEMPLATE_VERSION},
+                launch_template={"id": template.id, "version": version},
                 tags={**ctx.tags, RANK_TAG: str(rank), "Name": spec.node_name(rank)},
-                opts=child_options(self))
+                opts=child_options(self, ignore_changes=[] if rank in retemplate
+                                   else [NODE_TEMPLATE_PROPERTY]))
             for rank in range(spec.node_count)
         ]
-        self.bastion_public_ip = None
+        self.bastion_public_ip = self.bastion_id = None
         if spec.access.bastion:
-            self.bastion_public_ip = self._bastion(ctx, public_subnet_id, bastion_security_group_id,
-                                                   key_name)
+            bastion = self._bastion(ctx, public_subnet_id, bastion_security_group_id, key_name)
+            self.bastion_public_ip, self.bastion_id = bastion.public_ip, bastion.id
         self.register_outputs({"node_ids": [n.id for n in self.nodes]})
 
-    def _placement_group(self, ctx: ClusterContext) -> pulumi.Output[str] | None:
+    def _placement_group(self, ctx: ClusterContext) -> tuple[pulumi.Output[str] | None,
+                                                             pulumi.Output[str] | None]:
+        """(name, ARN) of the cluster placement group, or (None, None)."""
         spec = ctx.spec
         if not spec.uses_placement_group:
-            return None
+            return None, None
         if spec.placement_group.existing_name:
-            return pulumi.Output.from_input(spec.placement_group.existing_name)
+            name = spec.placement_group.existing_name
+            account = aws.get_caller_identity(opts=ctx.invoke_options()).account_id
+            return (pulumi.Output.from_input(name), pulumi.Output.from_input(
+                f"arn:{ctx.partition}:ec2:{spec.region}:{account}:placement-group/{name}"))
         group = aws.ec2.PlacementGroup(
             ctx.resource_name("placement"), strategy="cluster", tags=ctx.tags_named("placement"),
             opts=child_options(self))
-        return group.name
+        return group.name, group.arn
+
+    def _all_or_nothing(self, ctx: ClusterContext,
+                        placement_group_arn: pulumi.Output[str] | None) -> pulumi.Output[str] | None:
+        """On-demand nodes: one On-Demand Capacity Reservation for all node_count instances, in the
+        placement group. EC2 grants a reservation request whole or refuses it
+        (InsufficientInstanceCapacity), and the nodes are launched only after it exists, into it
+        (`targeted`: nothing else in the account can use it), so a short region fails the whole
+        cluster before any GPU node bills, instead of leaving 3 of 4 nodes running. Each node stays
+        its own instance with its own rank (`fsdpctl replace RANK` terminates one, freeing its slot,
+        and launches the new one into the same reservation)."""
+        spec = ctx.spec
+        if not spec.capacity.reserves_on_demand:
+            return None
+        reservation = aws.ec2.CapacityReservation(
+            ctx.resource_name("capacity"),
+            instance_type=spec.instance_type,
+            instance_platform="Linux/UNIX",
+            availability_zone=spec.availability_zone,
+            instance_count=spec.node_count,
+            instance_match_criteria="targeted",
+            end_date_type="unlimited",
+            placement_group_arn=placement_group_arn,
+            tags=ctx.tags_named("capacity"),
+            opts=child_options(self))
+        return reservation.id
 
     def _launch_template(self, ctx: ClusterContext, slots: list[InterfaceSlot],
                          subnet_id: pulumi.Input[str], security_group_id: pulumi.Input[str],
@@ -132,9 +183,10 @@ class Compute(pulumi.ComponentResource):
         elif capacity.type is CapacityType.CAPACITY_BLOCK:
             market = {"market_type": "capacity-block"}
         reservation = None
-        if capacity.uses_reservation:
-            reservation = {
-                "capacity_reservation_target": {"capacity_reservation_id": capacity.reservation_id}}
+        reservation_id = (capacity.reservation_id if capacity.uses_reservation
+                          else self.capacity_reservation_id)
+        if reservation_id is not None:
+            reservation = {"capacity_reservation_target": {"capacity_reservation_id": reservation_id}}
         placement = {"group_name": self.placement_group_name} if self.placement_group_name else None
         return aws.ec2.LaunchTemplate(
             ctx.resource_name(spec.instance_type.replace(".", "-")),
@@ -167,7 +219,7 @@ class Compute(pulumi.ComponentResource):
 
     def _bastion(self, ctx: ClusterContext, subnet_id: pulumi.Input[str] | None,
                  security_group_id: pulumi.Input[str] | None,
-                 key_name: pulumi.Input[str] | None) -> pulumi.Output[str]:
+                 key_name: pulumi.Input[str] | None) -> aws.ec2.Instance:
         access = ctx.spec.access
         # The bastion's image matches the node user, so one `ssh_user@bastion` ProxyJump works.
         ami = resolve_ami(ctx, BASTION_SSM_PARAMETERS[access.ssh_user])
@@ -186,4 +238,4 @@ class Compute(pulumi.ComponentResource):
             tags=ctx.tags_named("bastion"),
             # A new Ubuntu/Amazon Linux release must not replace the bastion (and its address).
             opts=child_options(self, ignore_changes=["ami"]))
-        return bastion.public_ip
+        return bastion

@@ -16,25 +16,18 @@ COMPONENT_PREFIX = "fsdp-cluster:index"
 NO_EXPIRY = "never"
 
 
-def aws_partition(region: str) -> str:
-    """The ARN partition of a region (arn:aws:..., arn:aws-us-gov:..., arn:aws-cn:...)."""
-    if region.startswith("us-gov-"):
-        return "aws-us-gov"
-    if region.startswith("cn-"):
-        return "aws-cn"
-    if region.startswith("us-iso-"):
-        return "aws-iso"
-    if region.startswith("us-isob-"):
-        return "aws-iso-b"
-    return "aws"
-
-
 @dataclass(frozen=True)
 class ClusterContext:
     spec: ClusterSpec
-    # ISO 8601 UTC time the expiry schedule terminates the nodes; None when expiry is disabled.
-    expires_at: str | None
+    # ISO 8601 UTC time the expiry schedules stop the billed resources (a plain value from the
+    # stack config, or the program's clock resource); None when expiry is disabled.
+    expires_at: pulumi.Input[str] | None
     provider: aws.Provider = field(repr=False)
+    # The ARN partition (aws, aws-us-gov, aws-cn, ...) and the reverse DNS prefix of service names
+    # (com.amazonaws, cn.com.amazonaws), from aws.get_partition for the provider's region: never a
+    # hard-coded arn:aws.
+    partition: str = "aws"
+    reverse_dns_prefix: str = "com.amazonaws"
 
     @property
     def tags(self) -> dict[str, str]:
@@ -47,10 +40,6 @@ class ClusterContext:
 
     def resource_name(self, suffix: str) -> str:
         return f"{self.spec.name}-{suffix}"
-
-    @property
-    def partition(self) -> str:
-        return aws_partition(self.spec.region)
 
     def invoke_options(self) -> pulumi.InvokeOptions:
         return pulumi.InvokeOptions(provider=self.provider)

@@ -32,6 +32,9 @@ class Network(pulumi.ComponentResource):
     private_subnet_id: pulumi.Output[str]
     # None when an existing VPC is used without a public subnet (no bastion).
     public_subnet_id: pulumi.Output[str] | None
+    # The NAT gateway and its Elastic IP allocation (billed by the hour); None in an existing VPC.
+    nat_gateway_id: pulumi.Output[str] | None = None
+    nat_allocation_id: pulumi.Output[str] | None = None
 
     def __init__(self, ctx: ClusterContext, opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Network", ctx.resource_name("network"), None, opts)
@@ -83,9 +86,10 @@ class Network(pulumi.ComponentResource):
                                       route_table_id=private_routes.id, opts=opts)
         aws.ec2.VpcEndpoint(
             ctx.resource_name("s3"), vpc_id=vpc.id, vpc_endpoint_type="Gateway",
-            service_name=f"com.amazonaws.{spec.region}.s3",
+            service_name=f"{ctx.reverse_dns_prefix}.{spec.region}.s3",
             route_table_ids=[private_routes.id, public_routes.id],
             tags=ctx.tags_named("s3"), opts=opts)
         self.vpc_id = vpc.id
+        self.nat_gateway_id, self.nat_allocation_id = nat.id, nat_ip.allocation_id
         self.private_subnet_id = private.id
         self.public_subnet_id = public.id

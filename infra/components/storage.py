@@ -1,7 +1,9 @@
 """Shared storage: the checkpoint bucket and the optional FSx for Lustre file system.
 
-The bucket keeps checkpoints for `checkpoint_bucket.retention_days` (the guide's 7-day rule) and
-then expires them, noncurrent versions included, so versioning cannot keep them alive forever.
+The bucket deletes every byte within `checkpoint_bucket.retention_days` (the guide's 7-day rule):
+a checkpoint is current for retention_days - 1 days, then a noncurrent version for 1 day, then gone;
+expired delete markers and incomplete multipart uploads are removed too, so versioning cannot keep
+anything alive longer.
 Node-local scratch (the NVMe instance store as RAID0) needs no resource: the Ansible role builds it.
 """
 
@@ -18,6 +20,14 @@ _BUCKET_PREFIX_MAX = 37
 LUSTRE_VERSION = "2.15"
 
 
+def lifecycle_days(retention_days: int) -> tuple[int, int]:
+    """(days as the current version, days as a noncurrent version) so that every byte is deleted
+    within retention_days of being written: S3 counts noncurrent days from when a version became
+    noncurrent, so 7 + 7 would keep a checkpoint 14 days. Both are at least 1 (S3's minimum), so
+    retention_days 1 keeps a byte at most 2 days."""
+    return max(1, retention_days - 1), 1
+
+
 def bucket_prefix(cluster_name: str) -> str:
     return f"{cluster_name}-checkpoints-"[:_BUCKET_PREFIX_MAX]
 
@@ -27,12 +37,13 @@ class Storage(pulumi.ComponentResource):
     bucket_arn: pulumi.Output[str]
     fsx_dns_name: pulumi.Output[str] | None
     fsx_mount_name: pulumi.Output[str] | None
+    fsx_id: pulumi.Output[str] | None
 
     def __init__(self, ctx: ClusterContext, private_subnet_id: pulumi.Input[str],
                  security_group_id: pulumi.Input[str], opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Storage", ctx.resource_name("storage"), None, opts)
         self._checkpoint_bucket(ctx)
-        self.fsx_dns_name = self.fsx_mount_name = None
+        self.fsx_dns_name = self.fsx_mount_name = self.fsx_id = None
         if ctx.spec.storage.fsx.enabled:
             self._lustre(ctx, private_subnet_id, security_group_id)
         self.register_outputs({"bucket_name": self.bucket_name})
@@ -59,16 +70,27 @@ class Storage(pulumi.ComponentResource):
             ctx.resource_name("checkpoints"), bucket=bucket.id,
             rules=[{"apply_server_side_encryption_by_default": {"sse_algorithm": "AES256"},
                     "bucket_key_enabled": True}], opts=child)
+        current_days, noncurrent_days = lifecycle_days(days)
         aws.s3.BucketLifecycleConfiguration(
             ctx.resource_name("checkpoints"), bucket=bucket.id,
             rules=[{
-                "id": f"expire-checkpoints-after-{days}-days",
+                "id": f"expire-checkpoints-within-{days}-days",
                 "status": "Enabled",
                 "filter": {"prefix": ""},
-                "expiration": {"days": days},
-                "noncurrent_version_expiration": {"noncurrent_days": days},
+                # Versioned bucket: expiring the current version only adds a delete marker; the
+                # bytes stay as a noncurrent version until noncurrent_version_expiration removes
+                # them. current + noncurrent days = retention_days, so no byte outlives the promise.
+                "expiration": {"days": current_days},
+                "noncurrent_version_expiration": {"noncurrent_days": noncurrent_days},
                 # Interrupted multipart uploads of large shards are billed until aborted.
                 "abort_incomplete_multipart_upload": {"days_after_initiation": 1},
+            }, {
+                # A delete marker with no versions left behind is removed too (S3 refuses it in the
+                # same expiration block as `days`, hence its own rule).
+                "id": "remove-expired-delete-markers",
+                "status": "Enabled",
+                "filter": {"prefix": ""},
+                "expiration": {"expired_object_delete_marker": True},
             }], opts=child)
         self.bucket_name = bucket.bucket
         self.bucket_arn = bucket.arn
@@ -105,5 +127,6 @@ class Storage(pulumi.ComponentResource):
                 data_repository_path=fsx.s3_import_path, file_system_path="/",
                 batch_import_meta_data_on_create=True, s3=s3_policies,
                 tags=ctx.tags_named("fsx-s3"), opts=child)
+        self.fsx_id = lustre.id
         self.fsx_dns_name = lustre.dns_name
         self.fsx_mount_name = lustre.mount_name

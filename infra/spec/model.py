@@ -39,6 +39,17 @@ class Capacity(_Model):
     `capacity-block`; refused together with `spot`. The launch template targets it."""
     spot_max_price: float | None = Field(default=None, gt=0)
     """Spot only: the most to pay per instance-hour in USD; empty means up to the on-demand price."""
+    all_or_nothing: bool = True
+    """On-demand only: first reserve all node_count instances in one On-Demand Capacity
+    Reservation (in the placement group), which EC2 grants whole or refuses with
+    InsufficientInstanceCapacity, then launch the nodes into it; no cluster of 3 out of 4 nodes. It
+    bills like the running nodes and goes with them (expiry, `fsdpctl down`). `false`: launch the
+    nodes one by one without it."""
+
+    @property
+    def reserves_on_demand(self) -> bool:
+        """The program creates the all-or-nothing reservation."""
+        return self.type is CapacityType.ON_DEMAND and self.all_or_nothing
 
     @property
     def uses_reservation(self) -> bool:
@@ -193,7 +204,8 @@ class Image(_Model):
 
 class CheckpointBucket(_Model):
     retention_days: int = 7
-    """Checkpoints (and their noncurrent versions) expire after this many days. At least 1."""
+    """Every byte of a checkpoint is deleted within this many days: current for days - 1, then 1
+    day as a noncurrent version (1 means at most 2 days). At least 1."""
     name: str | None = None
     """An explicit bucket name; empty means `<name>-checkpoints-` plus a unique suffix AWS assigns.
     The bucket is versioned, encrypted (SSE-S3, bucket key), blocks all public access, and is the
@@ -273,7 +285,8 @@ class ClusterSpec(_Model):
     """The one AZ of every node, subnet and file system. EFA does not cross AZs, so the cluster is
     single-AZ."""
     instance_type: str
-    """GPU instance type: `p4d.24xlarge`, `p4de.24xlarge`, `p5.48xlarge` or `p5en.48xlarge`
+    """GPU instance type: `p4d.24xlarge`, `p4de.24xlarge`, `p5.48xlarge`, `p5e.48xlarge` or
+    `p5en.48xlarge`
     (`infra/catalog.py`)."""
     node_count: int
     """Number of GPU nodes; ranks run 0 to node_count-1."""
@@ -407,5 +420,12 @@ class ClusterSpec(_Model):
                        "bootstrap, FSx, data loading) will be slower.")
         if self.expiry_hours is None:
             out.append("expiry_hours is null: nothing stops a forgotten cluster from billing.")
+        table = catalog.offerings()
+        if not table.offered(self.instance_type, self.region):
+            out.append(
+                f"region: {self.instance_type} is not offered in {self.region} according to the "
+                f"offerings table of {table.as_of} (infra/data/offerings.yaml); it is offered in "
+                f"{', '.join(table.regions(self.instance_type))}. `pulumi up` would fail there unless "
+                "AWS added it since: pick one of those regions, or check with `fsdpctl preflight`.")
         return out
 

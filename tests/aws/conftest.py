@@ -91,7 +91,8 @@ class Ec2Extras:
         for operation, answer in (("CreatePlacementGroup", self._create_pg),
                                   ("DescribePlacementGroups", self._describe_pgs),
                                   ("DeletePlacementGroup", self._delete_pg),
-                                  ("DescribeCapacityReservations", self._describe_reservations)):
+                                  ("DescribeCapacityReservations", self._describe_reservations),
+                                  ("CancelCapacityReservation", self._cancel_reservation)):
             # before-call sees only the serialized request: keep the caller's parameters for it.
             events.register(f"before-parameter-build.ec2.{operation}", self._keep_params)
             events.register(f"before-call.ec2.{operation}",
@@ -141,4 +142,68 @@ class Ec2Extras:
         missing = [r for r in wanted if r not in self.reservations]
         if missing:
             return self._error("InvalidCapacityReservationId.NotFound", f"{missing[0]} not found")
-        return self._ok({"CapacityReservations": [self.reservations[r] for r in wanted]})
+        found = [self.reservations[r] for r in wanted]
+        for f in params.get("Filters", []):
+            if f["Name"].startswith("tag:"):
+                key = f["Name"][4:]
+                found = [r for r in found if any(t["Key"] == key and t["Value"] in f["Values"]
+                                                 for t in r.get("Tags", []))]
+            elif f["Name"] == "state":
+                found = [r for r in found if r.get("State") in f["Values"]]
+        return self._ok({"CapacityReservations": found})
+
+    def _cancel_reservation(self, params):
+        self.calls.append("CancelCapacityReservation")
+        reservation = self.reservations.get(params["CapacityReservationId"])
+        if reservation is None:
+            return self._error("InvalidCapacityReservationId.NotFound", "not found")
+        reservation["State"] = "cancelled"
+        return self._ok({"Return": True})
+
+
+class IamSimulation:
+    """iam:SimulatePrincipalPolicy, which moto does not implement, answered on an IAM client through
+    the before-call hook: every action allowed except `denied`; `refuse` makes the call itself fail
+    with that error code (a caller without the right to simulate)."""
+
+    def __init__(self, client):
+        self.denied: set[str] = set()
+        self.refuse: str | None = None
+        self.principals: list[str] = []
+        events = client.meta.events
+        events.register("before-parameter-build.iam.SimulatePrincipalPolicy", Ec2Extras._keep_params)
+        events.register("before-call.iam.SimulatePrincipalPolicy",
+                        lambda context, **_: self._answer(context["fake_params"]))
+
+    def _answer(self, params):
+        self.principals.append(params["PolicySourceArn"])
+        if self.refuse:
+            return Ec2Extras._error(self.refuse, "not authorized to perform iam:SimulatePrincipalPolicy")
+        return Ec2Extras._ok({"IsTruncated": False, "EvaluationResults": [
+            {"EvalActionName": action, "EvalResourceName": "*",
+             "EvalDecision": "explicitDeny" if action in self.denied else "allowed"}
+            for action in params["ActionNames"]]})
+
+
+class _LazyIam:
+    """The IAM client with the simulation, created on first use (after the credentials are set)."""
+
+    def __init__(self):
+        self.client = None
+        self.fake = IamSimulation.__new__(IamSimulation)
+        self.fake.denied, self.fake.refuse, self.fake.principals = set(), None, []
+
+    def get(self, _clients=None):
+        if self.client is None:
+            self.client = _shared_session().client("iam", region_name=REGION)
+            denied, refuse, principals = self.fake.denied, self.fake.refuse, self.fake.principals
+            self.fake.__init__(self.client)
+            self.fake.denied, self.fake.refuse, self.fake.principals = denied, refuse, principals
+        return self.client
+
+
+@pytest.fixture(autouse=True)
+def iam_simulation(monkeypatch) -> IamSimulation:
+    lazy = _LazyIam()
+    monkeypatch.setattr(AwsClients, "iam", property(lazy.get))
+    return lazy.fake

@@ -61,7 +61,7 @@ def test_passing_preflight_reports_every_check(aws, dlami):
         "instance type offered in AZ": "pass", "instance type GPUs/EFA match catalog": "pass",
         "service quota (vCPUs)": "pass", "AMI resolves (x86_64)": "pass", "key pair exists": "skip",
         "existing VPC and subnets": "skip", "capacity reservation": "skip",
-        "existing placement group": "skip", "FSx S3 bucket": "skip",
+        "existing placement group": "skip", "FSx S3 bucket": "skip", "IAM permissions (simulated)": "pass",
     }
     assert f"[1/{len(preflight.CHECKS)}] instance type offered in AZ ..." in lines
     assert any(dlami in line for line in lines)
@@ -295,3 +295,91 @@ def test_cmd_preflight_json_is_the_report(aws_env, stub_quotas, tmp_path, capsys
     assert offering["status"] == "fail" and offering["detail"] == "not offered in us-east-1a"
     assert "us-east-1b, us-east-1c" in offering["findings"][0]["fix"]
     assert len(report["checks"]) == len(preflight.CHECKS)
+
+
+def test_denied_actions_are_listed_with_the_simulated_principal(aws, dlami, iam_simulation):
+    stub_quota(aws, 384)
+    iam_simulation.denied = {"iam:PassRole", "ec2:CreateCapacityReservation"}
+    report = preflight.run_preflight(spec_with_image(), aws, out=lambda _: None)
+    [finding] = findings_of(report, "IAM permissions (simulated)")
+    assert "is not allowed ec2:CreateCapacityReservation, iam:PassRole" in finding.message
+    assert "docs/aws.md" in finding.fix
+    assert iam_simulation.principals == [aws.sts.get_caller_identity()["Arn"]]
+
+
+def test_a_caller_that_may_not_simulate_skips_the_permission_check(aws, dlami, iam_simulation):
+    stub_quota(aws, 384)
+    iam_simulation.refuse = "AccessDenied"
+    report = preflight.run_preflight(spec_with_image(), aws, out=lambda _: None)
+    result = next(r for r in report.results if r.name == "IAM permissions (simulated)")
+    assert result.status == "skip" and "docs/aws.md" in result.outcome.detail and report.ok
+
+
+@pytest.mark.parametrize(("caller", "principal"), [
+    ("arn:aws:sts::123456789012:assumed-role/Admin/alice", "arn:aws:iam::123456789012:role/Admin"),
+    ("arn:aws-us-gov:sts::123456789012:assumed-role/Ops/bob", "arn:aws-us-gov:iam::123456789012:role/Ops"),
+    ("arn:aws:iam::123456789012:user/ci", "arn:aws:iam::123456789012:user/ci"),
+    ("arn:aws:iam::123456789012:root", None),
+])
+def test_principal_to_simulate(caller, principal):
+    assert preflight.principal_arn(caller) == principal
+
+
+def test_required_actions_are_listed_in_the_docs():
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "aws.md").read_text()
+    missing = [a for a in preflight.REQUIRED_ACTIONS if f"`{a}`" not in docs]
+    assert not missing, missing
+    assert "`iam:PassRole`" in docs
+
+
+def test_root_volume_smaller_than_the_ami_snapshot_is_refused(aws, dlami, monkeypatch):
+    from moto.ec2.models.amis import Ami
+
+    # moto's images all have a 15 GiB root snapshot; a DLAMI's is larger than the spec's minimum.
+    size = 120
+    monkeypatch.setattr(Ami, "block_device_mappings", property(lambda image: [{
+        "DeviceName": image.root_device_name, "Ebs": {"SnapshotId": "snap-1", "VolumeSize": size,
+                                                      "DeleteOnTermination": True, "VolumeType": "gp3"}}]))
+    stub_quota(aws, 384)
+    spec = spec_with_image(storage={"root_volume_gib": size - 1})
+    [finding] = findings_of(preflight.run_preflight(spec, aws, out=lambda _: None), "AMI resolves (x86_64)")
+    assert finding.message.startswith(f"storage.root_volume_gib {size - 1}: smaller than the root snapshot")
+    assert finding.fix == f"set storage.root_volume_gib to at least {size}"
+    stub_quota(aws, 384)
+    fits = spec_with_image(storage={"root_volume_gib": size})
+    assert not findings_of(preflight.run_preflight(fits, aws, out=lambda _: None), "AMI resolves (x86_64)")
+
+
+def test_capacity_block_that_ends_before_the_expiry_is_refused(aws, dlami):
+    import datetime as dt
+
+    end = dt.datetime.now(dt.UTC) + dt.timedelta(hours=5, minutes=30)
+    Ec2Extras(aws.ec2).reservations[RID] = reservation(ReservationType="capacity-block", EndDate=end)
+    spec = spec_with_image(capacity={"type": "capacity-block", "reservation_id": RID}, expiry_hours=12)
+    [finding] = findings_of(preflight.run_preflight(spec, aws, out=lambda _: None), "capacity reservation")
+    assert finding.message.startswith(f"expiry_hours 12: Capacity Block {RID} ends at ")
+    assert finding.fix == "set expiry_hours to at most 5, or extend the Capacity Block"
+    ok = spec_with_image(capacity={"type": "capacity-block", "reservation_id": RID}, expiry_hours=4)
+    assert not findings_of(preflight.run_preflight(ok, aws, out=lambda _: None), "capacity reservation")
+
+
+def test_open_spot_requests_count_against_the_spot_quota(aws, dlami):
+    stub_quota(aws, 384, code="L-7212CCBC")
+    from moto.core import DEFAULT_ACCOUNT_ID
+    from moto.ec2.models import ec2_backends
+
+    aws.ec2.request_spot_instances(InstanceCount=1, LaunchSpecification={
+        "ImageId": dlami, "InstanceType": "p4d.24xlarge"})
+    # moto fulfils requests at once; a real one for p4d often waits, open, holding its quota share.
+    for request in ec2_backends[DEFAULT_ACCOUNT_ID][REGION].spot_instance_requests.values():
+        request.state = "open"
+    running = [i["InstanceId"] for r in aws.ec2.describe_instances()["Reservations"] for i in r["Instances"]]
+    aws.ec2.terminate_instances(InstanceIds=running)
+    report = preflight.run_preflight(spec_with_image(node_count=4, capacity={"type": "spot"}), aws,
+                                     out=lambda _: None)
+    [finding] = findings_of(report, "service quota (vCPUs)")
+    assert "with 96 already in use" in finding.message
+    result = next(r for r in report.results if r.name == "service quota (vCPUs)")
+    assert "96 in use (96 by open spot requests)" in result.outcome.detail

@@ -93,7 +93,7 @@ def test_up_creates_nothing_when_preflight_fails(fake_pulumi, aws, stub_quotas, 
     message = str(err.value)
     assert message.startswith("pre-flight failed, nothing was created:")
     assert "set availability_zone to one of us-east-1b, us-east-1c" in message
-    assert "[1/9] instance type offered in AZ ..." in lines
+    assert f"[1/{len(stack.preflight.CHECKS)}] instance type offered in AZ ..." in lines
     stub_quotas.assert_no_pending_responses()
     # The CLI was only asked for its version; no key was generated; AWS holds nothing new.
     assert fake_pulumi.read_text().split("\n")[:-1] == ["version"]
@@ -257,6 +257,18 @@ class RecordingStack(FakeStack):
     def info(self):
         return object() if self.existing else None
 
+    def refresh(self, **kwargs):
+        """What the engine reports for a cluster whose expiry schedule ran: the nodes are gone."""
+        from pulumi.automation import events
+
+        self.calls.append(("refresh", kwargs))
+        urn = "urn:pulumi:pf::fsdp-cluster::fsdp-cluster:index:Compute$aws:ec2/instance:Instance::pf-node0"
+        kwargs["on_event"](events.EngineEvent(1, 0, res_outputs_event=events.ResOutputsEvent(
+            events.StepEventMetadata(events.OpType.REFRESH, urn, "aws:ec2/instance:Instance", "p"))))
+        return auto.RefreshResult("", "", auto.UpdateSummary(
+            kind="refresh", start_time=None, message="", environment={}, config={}, result="succeeded",
+            end_time=None, version=1, deployment=None, resource_changes={"same": 30, "delete": 1}))
+
     def preview(self, **kwargs):
         self.calls.append(("preview", kwargs))
         kwargs["on_output"]("~ aws:ec2/instance:Instance pf-node0 update [diff: ~tags]\n")
@@ -294,7 +306,11 @@ def test_up_shows_the_plan_or_the_diff_with_its_cost_and_creates_nothing_without
     assert re.search(r"about [\d,]+\.\d\d USD per hour; its billed resources expire at 20\d\d-", question)
     if existing:
         assert question.startswith("Apply these changes to cluster pf")
-        assert fake.calls[0][0] == "preview" and fake.calls[0][1]["diff"] is True
+        # Refresh first (the expiry schedule deletes resources behind Pulumi's back), then the diff.
+        assert [name for name, _ in fake.calls] == ["refresh", "preview"]
+        assert fake.calls[1][1]["diff"] is True
+        assert "pulumi refresh: 1 resource(s) gone from AWS, 0 changed outside Pulumi" in text
+        assert "  gone:    aws:ec2/instance:Instance pf-node0" in text
         assert "pf-node0 update [diff: ~tags]" in text
     else:
         assert question.startswith("Create cluster pf on AWS") and not fake.calls
@@ -308,3 +324,160 @@ def test_lock_advice_names_the_projects_backend(fsdpctl_home, monkeypatch):
     advice = stack.cancel_advice("pf")
     backend = (fsdpctl_home / "pulumi").as_uri()
     assert advice.startswith(f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf")
+
+
+def test_refresh_findings_without_drift_and_with_changes():
+    assert stack.refresh_findings({"same": 12}, {}) == [
+        "pulumi refresh: the stack matches AWS (nothing changed outside Pulumi)"]
+    urn = "urn:pulumi:pf::fsdp-cluster::fsdp-cluster:index:Network$aws:ec2/natGateway:NatGateway::pf-nat"
+    lines = stack.refresh_findings({"update": 1}, {urn: "update"})
+    assert lines == ["pulumi refresh: 0 resource(s) gone from AWS, 1 changed outside Pulumi",
+                     "  changed: aws:ec2/natGateway:NatGateway pf-nat"]
+
+
+class LockedStack:
+    """A stack another pulumi process holds: every operation fails as the CLI does (exit 255,
+    'the stack is currently locked')."""
+
+    def _locked(self, **kwargs):
+        raise auto.errors.ConcurrentUpdateError(auto.CommandResult(
+            stdout="", code=255, stderr="error: the stack is currently locked by 1 lock(s)"))
+
+    destroy = up = refresh = preview = _locked
+
+    def __init__(self):
+        self.config = {}
+
+    def set_config(self, key, value):
+        self.config[key] = value.value
+
+    def remove_config(self, key):
+        self.config.pop(key)
+
+
+@pytest.mark.parametrize("verb", ["down", "replace 0"])
+def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_command(
+        fake_pulumi, fsdpctl_home, tmp_path, monkeypatch, verb):
+    monkeypatch.delenv("PULUMI_BACKEND_URL", raising=False)
+    locked = LockedStack()
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: locked)
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
+    monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, nodes=[
+        {"rank": 0, "name": "pf-node0", "address": "10.0.0.1", "instance_id": "i-1"}])
+    with pytest.raises(UsageError) as err:
+        if verb == "down":
+            stack._destroy(spec, stack.pulumi_command(), out=lambda _: None)
+        else:
+            stack.replace_node(state, spec, 0, out=lambda _: None)
+    message = str(err.value)
+    backend = (fsdpctl_home / "pulumi").as_uri()
+    assert "another pulumi operation holds stack pf" in message
+    assert f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf --yes --cwd " in message
+    assert f"then run `fsdpctl {verb}` again" in message
+    assert locked.config == {}  # replace's one-run retemplate key is removed again
+
+
+def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulumi, fsdpctl_home, tmp_path,
+                                                                        monkeypatch):
+    from infra.program import RETEMPLATE_KEY, node_urn
+
+    class FailingUp(LockedStack):
+        def up(self, **kwargs):
+            self.seen = (dict(self.config), kwargs["replace"])
+            raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr="boom", code=1))
+
+    fake = FailingUp()
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: fake)
+    monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
+    monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
+    spec = make_spec(node_count=2)
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, nodes=[
+        {"rank": r, "name": f"pf-node{r}", "address": f"10.0.0.{r}", "instance_id": f"i-{r}"}
+        for r in (0, 1)])
+    with pytest.raises(CommandError, match="pulumi up failed"):
+        stack.replace_node(state, spec, 1, out=lambda _: None)
+    assert fake.seen == ({RETEMPLATE_KEY: "[1]"}, [node_urn(spec.name, spec, 1)])
+    assert fake.config == {}
+
+
+# ---- expiry: a second day ---------------------------------------------------------------------
+import datetime as dt  # noqa: E402
+
+NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
+
+
+def test_up_of_an_expired_cluster_sets_a_new_expiry():
+    spec = make_spec(expiry_hours=6)
+    fake = FakeStack()
+    fake.config[EXPIRES_AT_KEY] = "2026-12-03T11:00:00Z"  # an hour ago: the schedules have run
+    lines = []
+    assert stack.configure_stack(fake, spec, now=NOW, out=lines.append) == "2026-12-03T18:00:00Z"
+    assert fake.config[EXPIRES_AT_KEY] == "2026-12-03T18:00:00Z"
+    assert "expired at 2026-12-03T11:00:00Z" in lines[0] and "new expiry" in lines[0]
+    # Not yet expired: kept, whatever expiry_hours says now.
+    assert stack.configure_stack(fake, make_spec(expiry_hours=48), now=NOW) == "2026-12-03T18:00:00Z"
+
+
+def test_extended_expiry_adds_hours_to_the_later_of_now_and_the_current_one():
+    assert stack.extended_expiry("2026-12-03T18:00:00Z", 4, NOW) == "2026-12-03T22:00:00Z"
+    assert stack.extended_expiry(None, 4, NOW) == "2026-12-03T16:00:00Z"
+
+
+class ExtendStack(RecordingStack):
+    def up(self, **kwargs):
+        self.calls.append(("up", dict(self.config)))
+        return auto.UpResult("", "", auto.UpdateSummary(
+            kind="update", start_time=None, message="", environment={}, config={}, result="succeeded",
+            end_time=None, version=2, deployment=None, resource_changes={"update": 33}), outputs={})
+
+
+def test_extend_moves_the_expiry_refreshing_first_and_records_it(fake_pulumi, tmp_path, monkeypatch):
+    fake = ExtendStack(existing=True)
+    fake.config[EXPIRES_AT_KEY] = "2026-12-03T18:00:00Z"
+    monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: fake)
+    spec = make_spec(expiry_hours=6)
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, expires_at="2026-12-03T18:00:00Z", cost_per_hour=100.0)
+    questions, lines = [], []
+    assert stack.extend(state, spec, hours=4, approve=questions.append, out=lines.append,
+                        now=NOW) == "2026-12-03T22:00:00Z"
+    assert questions == ["Move the expiry of cluster pf from 2026-12-03T18:00:00Z to 2026-12-03T22:00:00Z "
+                         "(about 400.00 USD more)?"]
+    assert [name for name, _ in fake.calls] == ["refresh", "up"]
+    assert fake.calls[1][1][EXPIRES_AT_KEY] == "2026-12-03T22:00:00Z"  # the config `pulumi up` saw
+    assert state.read().expires_at == "2026-12-03T22:00:00Z"
+
+
+def test_extend_refuses_an_expired_cluster_and_one_without_expiry(fake_pulumi, tmp_path):
+    spec = make_spec(expiry_hours=6)
+    state = new_state(tmp_path, spec)
+    state.update(pulumi_stack=spec.name, expires_at="2026-12-03T11:00:00Z")
+    with pytest.raises(UsageError, match=r"expired at 2026-12-03T11:00:00Z.*Run `fsdpctl up .*spec.yaml`"):
+        stack.extend(state, spec, hours=4, approve=refuse, out=print, now=NOW)
+    with pytest.raises(UsageError, match="expiry_hours: null"):
+        stack.extend(state, make_spec(expiry_hours=None), hours=4, approve=refuse, out=print, now=NOW)
+    assert not fake_pulumi.exists()  # the CLI was never asked anything
+
+
+def test_state_records_the_programs_expiry_output(tmp_path):
+    outputs = {**OUTPUTS, "expires_at": "2026-12-03T22:00:00Z"}
+    data = stack.state_from_outputs(make_spec(), outputs, key_file=tmp_path / "k", known_hosts=tmp_path)
+    assert data["expires_at"] == "2026-12-03T22:00:00Z"
+
+
+def test_status_and_list_show_the_expiry_and_whether_it_passed(fsdpctl_home, tmp_path, capsys):
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    assert lifecycle.expiry_text("2026-12-03T11:00:00Z", NOW) == "2026-12-03T11:00:00Z (EXPIRED)"
+    assert lifecycle.expiry_text("2026-12-03T18:30:00Z", NOW, left=True) == "2026-12-03T18:30:00Z (in 6h30m)"
+    assert lifecycle.expiry_text("2026-12-03T18:30:00Z", NOW) == "2026-12-03T18:30:00Z"
+    state.update(expires_at="2020-01-01T00:00:00Z")
+    lifecycle.cmd_list(argparse.Namespace(json=False))
+    assert "2020-01-01T00:00:00Z (EXPIRED)" in capsys.readouterr().out
+    lifecycle.cmd_list(argparse.Namespace(json=True))
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["expires_at"] == "2020-01-01T00:00:00Z" and row["expired"] is True

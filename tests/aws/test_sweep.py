@@ -91,6 +91,11 @@ def plant_cluster(aws, extras: Ec2Extras) -> dict[str, str]:
     aws.iam.add_role_to_instance_profile(InstanceProfileName=f"{CLUSTER}-node-4d5e6f", RoleName=role)
     aws.scheduler.create_schedule_group(Name=schedule_group_name(CLUSTER), Tags=[
         {"Key": CLUSTER_TAG, "Value": CLUSTER}])
+    # The all-or-nothing reservation (moto has none: the fake holds it).
+    extras.reservations["cr-0aaaabbbbccccdddd"] = {
+        "CapacityReservationId": "cr-0aaaabbbbccccdddd", "InstanceType": "p4d.24xlarge", "State": "active",
+        "AvailabilityZone": "us-east-1b", "TotalInstanceCount": 2, "AvailableInstanceCount": 0,
+        "Tags": tags()}
     return {"vpc": vpc, "nat": nat, "eip": eip, "nodes_sg": nodes_sg, "bastion_sg": bastion_sg,
             "eni": eni["NetworkInterface"]["NetworkInterfaceId"], "volume": volume["VolumeId"], "fsx": fs,
             "template": template["LaunchTemplate"]["LaunchTemplateId"], "ami": ami}
@@ -109,7 +114,7 @@ def test_sweep_reports_without_force_and_deletes_nothing(aws, planted):
     assert kinds == sorted(["vpc", "subnet", "internet-gateway", "elastic-ip", "nat-gateway", "route-table",
                             "vpc-endpoint", "security-group", "launch-template", "placement-group",
                             "instance", "network-interface", "volume", "key-pair", "fsx-file-system",
-                            "schedule-group", "iam-role", "instance-profile"])
+                            "schedule-group", "iam-role", "instance-profile", "capacity-reservation"])
     assert sum(item.kind == "instance" for item in report.found) == 2
     assert sum(item.kind == "security-group" for item in report.found) == 2
     assert not report.deleted and not report.clean
@@ -132,7 +137,7 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
     report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
     assert report.failed == []
     assert report.clean, sweep.describe_report(report, CLUSTER)
-    assert len(report.deleted) == 21
+    assert len(report.deleted) == 22
 
     calls += extras.calls  # the fake answers DeletePlacementGroup before the recorder's turn is visible
     def first(op: str) -> int:
@@ -150,6 +155,13 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
     fsx_gone = calls.index("DescribeFileSystems", first("DeleteFileSystem"))
     assert fsx_gone < first("DeleteSecurityGroup") and fsx_gone < first("DeleteSubnet")
     assert last("DeleteNatGateway") < first("ReleaseAddress")
+    # The reservation is cancelled once its instances are gone (it would bill on, empty).
+    assert waited < first("CancelCapacityReservation")
+    assert extras.reservations["cr-0aaaabbbbccccdddd"]["State"] == "cancelled"
+    # VPC endpoints are deleted and waited for before route tables, subnets and the VPC.
+    endpoints_gone = calls.index("DescribeVpcEndpoints", last("DeleteVpcEndpoints"))
+    for op in ("DeleteRouteTable", "DeleteSubnet", "DeleteVpc"):
+        assert endpoints_gone < first(op), op
     # Every group reference is revoked before the first group is deleted.
     assert calls.count("RevokeSecurityGroupIngress") == 2 and calls.count("RevokeSecurityGroupEgress") == 1
     assert last("RevokeSecurityGroupIngress") < first("DeleteSecurityGroup")
@@ -213,3 +225,33 @@ def test_bucket_kept_on_purpose_is_reported_as_kept_not_left_over(aws):
     assert report.clean and report.deleted == []
     assert [(i.kind, i.id) for i in report.kept] == [("s3-bucket", "sweepme-checkpoints-2")]
     aws.s3.head_bucket(Bucket="sweepme-checkpoints-2")
+
+
+def test_sweep_waits_while_a_vpc_endpoint_is_still_deleting(aws, planted, monkeypatch):
+    """DeleteVpcEndpoints returns while the endpoint is `deleting`: nothing that it holds (route
+    tables, subnets, the VPC) may be deleted until a describe says it is gone."""
+    monkeypatch.setattr(sweep, "WAIT_POLL_SECONDS", 0)
+    calls = record_calls(aws.ec2)
+    polls = []
+
+    def still_deleting(params, **_):
+        if params.get("VpcEndpointIds") and not polls:
+            polls.append("deleting")
+            calls.append("DescribeVpcEndpoints:deleting")
+            return (Ec2Extras._ok({"VpcEndpoints": [
+                {"VpcEndpointId": params["VpcEndpointIds"][0], "State": "deleting"}]}))
+        return None
+
+    aws.ec2.meta.events.register("before-parameter-build.ec2.DescribeVpcEndpoints",
+                                 lambda params, context, **_: context.update(p=dict(params)))
+    aws.ec2.meta.events.register("before-call.ec2.DescribeVpcEndpoints",
+                                 lambda context, **_: still_deleting(context["p"]))
+    lines = []
+    report = sweep.sweep(aws, CLUSTER, force=True, out=lines.append)
+    assert report.clean, sweep.describe_report(report, CLUSTER)
+    assert "  waiting for VPC endpoints to delete ..." in lines
+    deleting = calls.index("DescribeVpcEndpoints:deleting")
+    assert calls.index("DeleteVpcEndpoints") < deleting
+    gone = calls.index("DescribeVpcEndpoints", deleting + 1)  # the poll that saw it gone
+    for op in ("DeleteRouteTable", "DeleteSubnet", "DeleteVpc"):
+        assert gone < calls.index(op), op

@@ -139,7 +139,7 @@ def test_status_and_list_as_json(home, tmp_path, capsys, monkeypatch):
     state.update(created_at=time.time() - 3 * 3600, excluded=[
         {"rank": 1, "reason": "ECC errors", "time": "2026-12-01T00:00:00+00:00"}])
     aws = local_cluster(tmp_path, "cli-b", nodes=0)
-    aws.update(target="aws", expires_at="2026-12-03T13:00:00Z", cost_per_hour=87.99)
+    aws.update(target="aws", expires_at="2099-12-03T13:00:00Z", cost_per_hour=87.99)
     from fsdpctl.targets.local import nodes
 
     monkeypatch.setattr(nodes, "health", lambda s: ["cli-a-node1: not running"])
@@ -154,11 +154,11 @@ def test_status_and_list_as_json(home, tmp_path, capsys, monkeypatch):
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert set(rows) == {"cli-a", "cli-b"}
     assert rows["cli-b"]["current"] and not rows["cli-a"]["current"]  # the last one created
-    assert rows["cli-b"]["expires_at"] == "2026-12-03T13:00:00Z" and rows["cli-b"]["cost_per_hour"] == 87.99
+    assert rows["cli-b"]["expires_at"] == "2099-12-03T13:00:00Z" and rows["cli-b"]["cost_per_hour"] == 87.99
     assert main(["list"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["NAME", "TARGET", "NODES", "AGE", "EXPIRES", "(UTC)", "USD/HOUR"]
-    assert table[2].split() == ["*", "cli-b", "aws", "0", "0m", "2026-12-03T13:00:00Z", "87.99"]
+    assert table[2].split() == ["*", "cli-b", "aws", "0", "0m", "2099-12-03T13:00:00Z", "87.99"]
 
 
 def test_list_without_clusters_says_how_to_make_one(home, capsys):

@@ -38,11 +38,11 @@ def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
     out = capsys.readouterr().out
     for heading in ("Network", "Security", "Storage", "Identity", "Compute", "Expiry"):
         assert f"\n  {heading}\n" in out
-    assert "Resources `pulumi up` would create: 34" in out
+    assert "Resources `pulumi up` would create: 38" in out
     assert "4 EFA on 4 network cards" in out and "IMDSv2 required" in out
     assert "in: all itself, tcp/22 <demo-bastion.id>" in out
     assert "demo-node3" in out and "rank 3" in out
-    assert "objects and noncurrent versions expire after 7 days" in out
+    assert "every byte deleted within 7 days (6 current + 1 noncurrent)" in out
     assert "Warnings: none" in out
     expected = demo_cost_per_hour(load_prices())
     assert f"Total: {expected:,.2f} USD per hour, {expected * 24:,.2f} USD per day" in out
@@ -53,7 +53,7 @@ def test_plan_json_is_the_graph_outputs_and_cost(capsys):
     assert main(["plan", DEMO, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cluster"] == "demo"
-    assert len(report["resources"]) == 34 and sum(report["counts"].values()) == 34
+    assert len(report["resources"]) == 38 and sum(report["counts"].values()) == 38
     assert report["counts"]["aws:ec2/instance:Instance"] == 5
     assert [n["efa_count"] for n in report["outputs"]["nodes"]] == [4, 4, 4, 4]
     assert report["warnings"] == []
@@ -86,9 +86,40 @@ def test_spot_capacity_blocks_and_missing_regions_are_not_priced_as_on_demand():
     block_plan = plan_of(capacity={"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"})
     block = estimate_cost(block_plan, prices)
     assert next(c for c in block.lines if "capacity block" in c.item).unit_price is None
-    faraway = estimate_cost(plan_of(region="ap-southeast-2", availability_zone="ap-southeast-2a"), prices)
-    node_line = next(c for c in faraway.lines if "p4d" in c.item)
+    # A region the offerings table lacks for this type: no made-up price.
+    nowhere = estimate_cost(plan_of(region="af-south-1", availability_zone="af-south-1a"), prices)
+    node_line = next(c for c in nowhere.lines if "p4d" in c.item)
     assert node_line.unit_price is None and "--prices" in node_line.note
+
+
+def test_every_region_of_the_offerings_table_is_priced():
+    """The GPU price is the region's own (offerings table); NAT, IPv4, EBS and the bastion borrow
+    the fallback region's rates and say so."""
+    from infra.catalog import offerings
+
+    prices, table = load_prices(), offerings()
+    far = estimate_cost(plan_of(region="ap-southeast-2", availability_zone="ap-southeast-2a"), prices)
+    node_line = next(c for c in far.lines if "p4d" in c.item)
+    assert node_line.unit_price == table.prices["p4d.24xlarge"]["ap-southeast-2"] == 28.54493
+    nat = next(c for c in far.lines if c.item == "NAT gateway")
+    assert nat.unit_price == prices["regions"]["us-east-1"]["nat_gateway_hour"]
+    assert "us-east-1 rate; ap-southeast-2 may differ" in nat.note
+    for itype, regions in table.prices.items():
+        for region, hourly in regions.items():
+            cost = estimate_cost(plan_of(instance_type=itype, node_count=1, region=region,
+                                         availability_zone=f"{region}a"), prices)
+            assert cost.complete is (hourly is not None), (itype, region)
+            assert cost.per_hour > (hourly or 0)
+
+
+def test_plan_warns_about_a_type_the_region_does_not_offer():
+    plan = plan_of(instance_type="p5.48xlarge", node_count=2, region="af-south-1",
+                   availability_zone="af-south-1a")
+    (warning,) = [w for w in plan.spec.warnings() if w.startswith("region:")]
+    assert "p5.48xlarge is not offered in af-south-1 according to the offerings table of 20" in warning
+    assert "us-east-1" in warning and "fsdpctl preflight" in warning
+    assert not [w for w in plan_of(instance_type="p5.48xlarge", node_count=2).spec.warnings()
+                if w.startswith("region:")]
 
 
 def test_fsx_is_priced_per_gib_month_of_its_tier():
@@ -161,3 +192,31 @@ def test_no_stale_price_note_when_a_prices_file_replaced_the_table(tmp_path, cap
     assert main(["plan", DEMO, "--prices", str(prices)]) == 0
     out = " ".join(capsys.readouterr().out.split())  # long paths wrap
     assert "days old" not in out and f"with {prices} merged over it" in out
+
+
+@pytest.mark.parametrize("overrides", [{}, {"storage": {"fsx": {"enabled": True}}},
+                                       {"instance_type": "p5.48xlarge", "node_count": 2}])
+def test_after_expiry_only_the_bucket_keeps_billing(overrides):
+    from fsdpctl.plan.cost import after_expiry
+
+    plan = plan_of(**overrides)
+    after = after_expiry(plan)
+    assert all(not s.startswith("capacity reservation") for s in after.still_billed)
+    assert after.still_billed == [next(f"S3 bucket (storage) {r.name}" for r in plan.mocks.resources
+                                       if r.type == "aws:s3/bucket:Bucket")]
+    assert sum(s.startswith("instance ") for s in after.stopped) == plan.spec.node_count + 1  # + bastion
+    assert any(s.startswith("NAT gateway") for s in after.stopped)
+    assert any(s.startswith("Elastic IP") for s in after.stopped)
+    assert any(s.startswith("FSx") for s in after.stopped) == bool(overrides.get("storage"))
+
+
+def test_plan_text_says_what_keeps_billing_after_expiry():
+    from fsdpctl.plan import estimate_cost, load_prices, render_text
+
+    plan = plan_of()
+    text = " ".join(render_text(plan, estimate_cost(plan, load_prices())).split())
+    assert "What keeps billing after expiry: S3 bucket (storage) demo-checkpoints" in text
+    assert "NAT gateway demo-nat" in text and "Elastic IP (public IPv4) demo-nat-ip" in text
+    no_expiry = plan_of(expiry_hours=None)
+    text = " ".join(render_text(no_expiry, estimate_cost(no_expiry, load_prices())).split())
+    assert "No expiry (expiry_hours: null): everything above keeps billing" in text

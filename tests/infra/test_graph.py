@@ -58,7 +58,11 @@ EXPECTED_DEMO_COUNTS = {
     "aws:iam/rolePolicyAttachment:RolePolicyAttachment": 1, "aws:iam/instanceProfile:InstanceProfile": 1,
     "aws:ec2/placementGroup:PlacementGroup": 1, "aws:ec2/launchTemplate:LaunchTemplate": 1,
     "aws:ec2/instance:Instance": 5,  # 4 nodes + the bastion
-    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 1,
+    # All 4 nodes in one all-or-nothing On-Demand Capacity Reservation.
+    "aws:ec2/capacityReservation:CapacityReservation": 1,
+    # Expiry: terminate nodes + bastion, cancel the reservation, delete the NAT gateway, release
+    # its Elastic IP.
+    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 4,
 }
 
 
@@ -155,7 +159,9 @@ def test_pulumi_runs_infra_main_with_the_stack_config_and_refuses_a_bad_one(tmp_
     script = tmp_path / "run_main.py"
     script.write_text(f"""
 import asyncio, json, runpy, sys
-sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})]
+# The repository root last, not first: this checkout's package (an editable install may point at
+# another checkout) without the root shadowing infra/ as the language host's first entry.
+sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r})] + [{str(REPO)!r}]
 import pulumi
 from pulumi.runtime import settings
 from infra.offline import RecordingMocks
@@ -195,3 +201,77 @@ def test_pulumi_project_file():
     assert project["name"] == "fsdp-cluster"
     assert project["runtime"] == {"name": "python", "options": {"toolchain": "pip", "virtualenv": ".venv"}}
     assert project["main"] == "infra/" and (REPO / "infra" / "__main__.py").is_file()
+
+
+def _strings(value):
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+@pytest.mark.parametrize(("region", "partition", "s3_service"), [
+    ("us-gov-west-1", "aws-us-gov", "com.amazonaws.us-gov-west-1.s3"),
+    ("cn-north-1", "aws-cn", "cn.com.amazonaws.cn-north-1.s3"),
+    ("us-east-1", "aws", "com.amazonaws.us-east-1.s3"),
+])
+def test_arns_and_service_names_come_from_the_regions_partition(region, partition, s3_service):
+    plan = plan_of(region=region, availability_zone=f"{region}a")
+    assert any(lk.token == "aws:index/getPartition:getPartition" for lk in plan.mocks.lookups)
+    arns = [s for r in plan.mocks.resources for s in _strings(r.inputs) if s.startswith("arn:")]
+    arns += [arn for r in plan.mocks.resources if r.type == "aws:iam/rolePolicy:RolePolicy"
+             for statement in json.loads(r.inputs["policy"])["Statement"]
+             for arn in ([statement["Resource"]] if isinstance(statement["Resource"], str)
+                         else statement["Resource"]) if arn.startswith("arn:")]
+    assert arns and all(arn.startswith(f"arn:{partition}:") for arn in arns), arns
+    endpoint = plan.mocks.one("aws:ec2/vpcEndpoint:VpcEndpoint")
+    assert endpoint.inputs["serviceName"] == s3_service
+
+
+def test_no_hard_coded_partition_in_the_program():
+    sources = [p.read_text() for p in (REPO / "infra").rglob("*.py")]
+    assert not [s for s in sources if '"arn:aws:' in s or "'arn:aws:" in s or "f\"arn:aws:" in s]
+
+
+# Ports of the services other roles run on the nodes: slurmctld 6817, slurmd 6818, slurmdbd 6819,
+# Prometheus 9090, node exporter 9100, DCGM exporter 9400. MUNGE itself listens on a local Unix
+# socket only (its credentials travel inside Slurm's RPCs on 6817-6819), so it has no port of its own.
+CLUSTER_ONLY_PORTS = {"slurmctld": 6817, "slurmd": 6818, "slurmdbd": 6819, "prometheus": 9090,
+                      "node-exporter": 9100, "dcgm-exporter": 9400}
+
+
+def _covers(rule: dict, port: int) -> bool:
+    if rule["protocol"] in ("-1", "all"):
+        return True
+    return rule["protocol"] in ("tcp", "6") and int(rule["fromPort"]) <= port <= int(rule["toPort"])
+
+
+def test_cluster_service_ports_are_reachable_only_from_the_cluster_group(variant):
+    name, plan = variant
+    spec = plan.spec
+    groups = plan.mocks.of_type("aws:ec2/securityGroup:SecurityGroup")
+    node_group = plan.mocks.named(f"{spec.name}-efa", "aws:ec2/securityGroup:SecurityGroup")
+    for service, port in CLUSTER_ONLY_PORTS.items():
+        # Reachable inside the cluster: a self-referencing rule of the node group covers the port.
+        assert any(rule.get("self") and _covers(rule, port) for rule in node_group.inputs["ingress"]), \
+            (name, service)
+        for group in groups:
+            for rule in group.inputs.get("ingress") or []:
+                if not _covers(rule, port):
+                    continue
+                # Nothing from an address range (0.0.0.0/0, ssh_cidr, IPv6), nor from another group.
+                assert group is node_group and rule.get("self"), (name, service, group.name, rule)
+                assert not rule.get("cidrBlocks") and not rule.get("ipv6CidrBlocks"), (name, service)
+                assert not rule.get("securityGroups"), (name, service, rule)
+    # And the only port open to ssh_cidr anywhere is 22.
+    for group in groups:
+        for rule in group.inputs.get("ingress") or []:
+            if rule.get("cidrBlocks"):
+                assert rule["cidrBlocks"] == [spec.ssh_cidr], (name, group.name, rule)
+                assert (rule["protocol"], rule["fromPort"], rule["toPort"]) == ("tcp", 22.0, 22.0)
+    assert not plan.mocks.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+    assert not plan.mocks.of_type("aws:ec2/securityGroupRule:SecurityGroupRule")

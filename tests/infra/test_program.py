@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from infra.components.compute import efa_interface_layout
 from infra.components.network import subnet_cidrs
 from infra.spec import BASTION_SSM_PARAMETERS, CLUSTER_TAG, DEFAULT_DLAMI_PARAMETER, EXPIRES_TAG, RANK_TAG
 from tests.infra.conftest import EXPIRES_AT, plan_of
@@ -149,19 +148,34 @@ def test_placement_group_can_be_turned_off():
 
 
 # ---- launch template --------------------------------------------------------------------------
-@pytest.mark.parametrize(("instance_type", "cards"), [("p4d.24xlarge", 4), ("p4de.24xlarge", 4),
-                                                       ("p5.48xlarge", 32)])
-def test_launch_template_has_one_efa_per_network_card(instance_type, cards):
+P5_LAYOUT_32 = [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, 32)]
+LAYOUTS = {
+    # The guide's basic layout: ENA primary + efa-only on card 0, efa-only at device 0 elsewhere.
+    "p4d.24xlarge": [(0, 0, "interface"), (0, 1, "efa-only"), (1, 0, "efa-only"), (2, 0, "efa-only"),
+                     (3, 0, "efa-only")],
+    "p4de.24xlarge": [(0, 0, "interface"), (0, 1, "efa-only"), (1, 0, "efa-only"), (2, 0, "efa-only"),
+                      (3, 0, "efa-only")],
+    # "EFA configuration for P5, P5e and P5en instances", use case 1: EFA with ENA at card 0 device
+    # 0 (the one IP), efa-only at device 1 of every other card.
+    "p5.48xlarge": P5_LAYOUT_32,
+    "p5e.48xlarge": P5_LAYOUT_32,
+    "p5en.48xlarge": [(0, 0, "efa")] + [(card, 1, "efa-only") for card in range(1, 16)],
+}
+
+
+@pytest.mark.parametrize("instance_type", list(LAYOUTS))
+def test_launch_template_efa_layout_per_instance_type(instance_type):
     plan = plan_of(instance_type=instance_type, node_count=2)
     nics = plan.mocks.one(LT).inputs["networkInterfaces"]
     layout = [(int(n["networkCardIndex"]), int(n["deviceIndex"]), n["interfaceType"]) for n in nics]
-    assert layout[:2] == [(0, 0, "interface"), (0, 1, "efa-only")]
-    assert layout[2:] == [(card, 0, "efa-only") for card in range(1, cards)]
-    assert sum(n["interfaceType"] in ("efa", "efa-only") for n in nics) == cards
-    assert len(nics) == cards + 1
+    assert layout == LAYOUTS[instance_type]
+    cards = {card for card, _, _ in layout}
+    assert cards == set(range(plan.spec.instance.network_cards))
+    efas = sum(n["interfaceType"] in ("efa", "efa-only") for n in nics)
+    assert efas == len(cards) == plan.spec.instance.efa_interfaces  # one EFA per network card
+    assert sum(n["interfaceType"] in ("efa", "interface") for n in nics) == 1  # one IP per node
     assert len({(n["networkCardIndex"], n["deviceIndex"]) for n in nics}) == len(nics)
-    assert [node["efa_count"] for node in plan.outputs["nodes"]] == [cards, cards]
-    assert len(efa_interface_layout(cards)) == cards + 1
+    assert [node["efa_count"] for node in plan.outputs["nodes"]] == [efas, efas]
 
 
 def test_launch_template_settings(demo_plan):
@@ -183,7 +197,11 @@ def test_launch_template_settings(demo_plan):
     profile = m.one("aws:iam/instanceProfile:InstanceProfile")
     assert inputs["iamInstanceProfile"] == {"arn": f"<{profile.name}.arn>"}
     assert "userData" not in inputs
-    assert "instanceMarketOptions" not in inputs and "capacityReservationSpecification" not in inputs
+    assert "instanceMarketOptions" not in inputs
+    # On-demand: the program's own all-or-nothing reservation (see test_all_or_nothing_...).
+    reservation = m.one("aws:ec2/capacityReservation:CapacityReservation")
+    assert inputs["capacityReservationSpecification"] == {
+        "capacityReservationTarget": {"capacityReservationId": reservation.id}}
     tagged = {spec["resourceType"]: spec["tags"] for spec in inputs["tagSpecifications"]}
     assert set(tagged) == {"volume", "network-interface"}
     assert all(tags[CLUSTER_TAG] == "demo" and tags[EXPIRES_TAG] == EXPIRES_AT for tags in tagged.values())
@@ -211,7 +229,7 @@ def test_one_instance_per_node_with_a_stable_rank(demo_plan):
         assert instance.tags[RANK_TAG] == str(rank)
         assert instance.tags["Name"] == demo_plan.spec.node_name(rank)
         assert instance.tags[CLUSTER_TAG] == "demo" and instance.tags[EXPIRES_TAG] == EXPIRES_AT
-        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "$Default"}
+        assert instance.inputs["launchTemplate"] == {"id": template.id, "version": "1"}
         # Everything else comes from the launch template: no second place to configure a node.
         assert not {"subnetId", "vpcSecurityGroupIds", "ami", "instanceType"} & instance.inputs.keys()
 
@@ -276,10 +294,14 @@ def test_checkpoint_bucket_is_private_versioned_encrypted_and_expires_after_rete
     sse = m.one("aws:s3/bucketServerSideEncryptionConfiguration:"
                 "BucketServerSideEncryptionConfiguration").inputs
     assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] in ("AES256", "aws:kms")
-    [rule] = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]
-    assert rule["status"] == "Enabled"
-    assert rule["expiration"]["days"] == 14.0
-    assert rule["noncurrentVersionExpiration"]["noncurrentDays"] == 14.0
+    rule, markers = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]
+    assert rule["status"] == markers["status"] == "Enabled"
+    # Every byte is gone within retention_days: 13 days current + 1 day noncurrent.
+    assert rule["expiration"]["days"] + rule["noncurrentVersionExpiration"]["noncurrentDays"] == 14.0
+    assert rule["noncurrentVersionExpiration"]["noncurrentDays"] == 1.0
+    assert rule["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1.0
+    assert rule["filter"] == markers["filter"] == {"prefix": ""}
+    assert markers["expiration"] == {"expiredObjectDeleteMarker": True}
     assert plan.outputs["checkpoint_bucket"].startswith("demo-checkpoints-")
 
 
@@ -331,26 +353,87 @@ def test_root_volume_size_from_the_spec():
 
 
 # ---- expiry -----------------------------------------------------------------------------------
-def test_expiry_schedule_terminates_exactly_the_nodes(demo_plan):
+SCHEDULE = "aws:scheduler/schedule:Schedule"
+
+
+def _schedules(plan):
+    return {r.name: r.inputs for r in plan.mocks.of_type(SCHEDULE)}
+
+
+def test_expiry_schedules_stop_every_billed_resource(demo_plan):
     m = demo_plan.mocks
     group = m.one("aws:scheduler/scheduleGroup:ScheduleGroup")
     assert group.inputs["name"] == "fsdp-cluster-demo" and group.tags[CLUSTER_TAG] == "demo"
-    schedule = m.one("aws:scheduler/schedule:Schedule").inputs
-    assert schedule["groupName"] == "fsdp-cluster-demo"
-    assert schedule["scheduleExpression"] == "at(2026-12-03T13:00:00)"
-    assert schedule["scheduleExpressionTimezone"] == "UTC"
-    assert schedule["flexibleTimeWindow"] == {"mode": "OFF"}
-    target = schedule["target"]
-    assert target["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
-    assert json.loads(target["input"]) == {"InstanceIds": [n.id for n in nodes(demo_plan)]}
+    schedules = _schedules(demo_plan)
+    assert set(schedules) == {"demo-expiry", "demo-expiry-capacity", "demo-expiry-nat", "demo-expiry-nat-ip"}
     role = m.named("demo-expiry", ROLE)
-    assert target["roleArn"] == f"<{role.name}.arn>"
+    for schedule in schedules.values():
+        assert schedule["groupName"] == "fsdp-cluster-demo"
+        assert schedule["scheduleExpressionTimezone"] == "UTC"
+        assert schedule["flexibleTimeWindow"] == {"mode": "OFF"}
+        assert schedule["target"]["roleArn"] == f"<{role.name}.arn>"
+    terminate, nat, nat_ip = (schedules[n]["target"] for n in ("demo-expiry", "demo-expiry-nat",
+                                                               "demo-expiry-nat-ip"))
+    assert schedules["demo-expiry"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
+    assert schedules["demo-expiry-nat"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
+    # The Elastic IP only once the NAT gateway that holds it is gone.
+    assert schedules["demo-expiry-nat-ip"]["scheduleExpression"] == "at(2026-12-03T14:00:00)"
+    assert terminate["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
+    bastion = next(i for i in m.of_type(INSTANCE) if RANK_TAG not in i.tags)
+    assert json.loads(terminate["input"]) == {"InstanceIds": [n.id for n in nodes(demo_plan)] + [bastion.id]}
+    assert nat["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:deleteNatGateway"
+    assert json.loads(nat["input"]) == {"NatGatewayId": m.one("aws:ec2/natGateway:NatGateway").id}
+    assert nat_ip["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:releaseAddress"
+    assert json.loads(nat_ip["input"]) == {"AllocationId": "<demo-nat-ip.allocation_id>"}
     trust = json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]
     assert trust["Principal"] == {"Service": "scheduler.amazonaws.com"}
-    [statement] = json.loads(m.named("demo-expiry-terminate", POLICY).inputs["policy"])["Statement"]
-    assert statement["Action"] == "ec2:TerminateInstances"
-    assert statement["Resource"] == "arn:aws:ec2:us-east-1:*:instance/*"
-    assert statement["Condition"] == {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
+    statements = json.loads(m.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
+    capacity = schedules["demo-expiry-capacity"]["target"]
+    assert capacity["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:cancelCapacityReservation"
+    assert json.loads(capacity["input"]) == {
+        "CapacityReservationId": m.one("aws:ec2/capacityReservation:CapacityReservation").id}
+    assert {(s["Action"], s["Resource"]) for s in statements} == {
+        ("ec2:TerminateInstances", "arn:aws:ec2:us-east-1:*:instance/*"),
+        ("ec2:CancelCapacityReservation", "arn:aws:ec2:us-east-1:*:capacity-reservation/*"),
+        ("ec2:DeleteNatGateway", "arn:aws:ec2:us-east-1:*:natgateway/*"),
+        ("ec2:ReleaseAddress", "arn:aws:ec2:us-east-1:*:elastic-ip/*")}
+    for statement in statements:
+        assert statement["Condition"] == {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
+
+
+def test_expiry_deletes_the_file_system_too():
+    plan = plan_of(storage={"fsx": {"enabled": True}})
+    fsx = plan.mocks.one("aws:fsx/lustreFileSystem:LustreFileSystem")
+    target = _schedules(plan)["demo-expiry-fsx"]["target"]
+    assert target["arn"] == "arn:aws:scheduler:::aws-sdk:fsx:deleteFileSystem"
+    assert json.loads(target["input"]) == {"FileSystemId": fsx.id,
+                                           "LustreConfiguration": {"SkipFinalBackup": True}}
+    statements = json.loads(plan.mocks.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
+    assert any(s["Action"][0] == "fsx:DeleteFileSystem" and s["Resource"] == "arn:aws:fsx:us-east-1:*:*"
+               for s in statements)
+
+
+def test_existing_vpc_has_no_nat_schedule():
+    plan = plan_of(network={"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0priv",
+                            "public_subnet_id": "subnet-0pub"})
+    assert set(_schedules(plan)) == {"demo-expiry", "demo-expiry-capacity"}
+
+
+def test_plain_pulumi_up_without_expires_at_uses_the_expiry_clock():
+    """`pulumi up` with only fsdp-cluster:cluster set: a pulumiverse-time Offset records the
+    creation time once and the schedules fire expiry_hours later."""
+    from datetime import datetime, timedelta
+
+    plan = plan_of(expires_at=None)
+    clock = plan.mocks.one("time:index/offset:Offset")
+    assert clock.inputs["offsetHours"] == float(plan.spec.expiry_hours)
+    base = datetime.fromisoformat(plan.outputs["expires_at"].replace("Z", "+00:00")) \
+        - timedelta(hours=plan.spec.expiry_hours)
+    assert plan.outputs["expires_at"].endswith("Z")
+    expected = f"at({plan.outputs['expires_at'][:-1]})"
+    assert _schedules(plan)["demo-expiry"]["scheduleExpression"] == expected
+    assert {n.tags[EXPIRES_TAG] for n in nodes(plan)} == {plan.outputs["expires_at"]}
+    assert base.tzinfo is not None
 
 
 def test_no_expiry_schedule_when_expiry_is_disabled():
@@ -396,3 +479,77 @@ def test_provider_is_pinned_to_the_spec_region():
     plan = plan_of(region="us-west-2", availability_zone="us-west-2a")
     assert plan.mocks.one("pulumi:providers:aws").inputs["region"] == "us-west-2"
     assert {s.inputs["availabilityZone"] for s in plan.mocks.of_type(SUBNET)} == {"us-west-2a"}
+
+
+@pytest.mark.parametrize("retention", [1, 2, 7, 30])
+def test_no_byte_outlives_the_retention_promise(retention):
+    """Worst case per byte, S3 semantics: a version written on day 0 is current until day
+    `current` (or until overwritten, earlier), then noncurrent for `noncurrent` days."""
+    from infra.components.storage import lifecycle_days
+
+    current, noncurrent = lifecycle_days(retention)
+    assert current >= 1 and noncurrent >= 1
+    for overwritten_on in range(current + 1):  # overwritten on day k, or expired on day `current`
+        assert overwritten_on + noncurrent <= max(retention, 2)
+
+
+def test_nodes_pin_their_template_version_and_ignore_later_template_changes(demo_plan):
+    template = demo_plan.mocks.one(LT)
+    for node in nodes(demo_plan):
+        # The number the template had when the node was created, not "$Default"/"$Latest".
+        assert node.inputs["launchTemplate"] == {"id": template.id, "version": "1"}
+        assert node.ignore_changes == ["launchTemplate"]
+    assert template.inputs["updateDefaultVersion"] is True
+
+
+def test_replace_takes_the_current_template_for_its_rank_only():
+    from infra.offline import run_offline
+    from infra.spec import parse_spec
+    from tests.infra.conftest import demo_data
+
+    plan = run_offline(parse_spec(demo_data()), EXPIRES_AT, retemplate=frozenset({2}))
+    assert {int(n.tags[RANK_TAG]): n.ignore_changes for n in nodes(plan)} == {
+        0: ["launchTemplate"], 1: ["launchTemplate"], 2: [], 3: ["launchTemplate"]}
+
+
+@pytest.mark.parametrize("bad", [[7], ["0"], "1", [-1]])
+def test_retemplate_config_must_name_ranks(bad):
+    from infra.program import RETEMPLATE_KEY, build_from_config
+    from infra.spec import SpecError
+    from tests.infra.conftest import demo_data
+
+    with pytest.raises(SpecError, match=rf"{RETEMPLATE_KEY}.*use ranks 0..3"):
+        build_from_config(demo_data(), EXPIRES_AT, bad)
+
+
+# ---- capacity: all nodes or none ----------------------------------------------------------------
+def test_all_or_nothing_reservation_for_on_demand_nodes(demo_plan):
+    """One On-Demand Capacity Reservation for all node_count instances, in the placement group,
+    targeted by the launch template: EC2 grants it whole or fails it before any node launches."""
+    m = demo_plan.mocks
+    reservation = m.one("aws:ec2/capacityReservation:CapacityReservation")
+    group = m.one(PG)
+    assert reservation.inputs["instanceCount"] == 4.0
+    assert reservation.inputs["instanceType"] == "p4d.24xlarge"
+    assert reservation.inputs["availabilityZone"] == "us-east-1b"
+    assert reservation.inputs["instanceMatchCriteria"] == "targeted"
+    assert reservation.inputs["placementGroupArn"] == f"<{group.name}.arn>"
+    assert reservation.inputs["instancePlatform"] == "Linux/UNIX"
+    assert reservation.tags[CLUSTER_TAG] == "demo"
+    # Still one instance per rank (replace RANK), all from the template that targets it.
+    assert [int(n.tags[RANK_TAG]) for n in nodes(demo_plan)] == [0, 1, 2, 3]
+
+
+def test_existing_placement_group_reservation_gets_its_arn_from_the_account():
+    plan = plan_of(placement_group={"existing_name": "team-pg"})
+    reservation = plan.mocks.one("aws:ec2/capacityReservation:CapacityReservation")
+    assert reservation.inputs["placementGroupArn"] == \
+        "arn:aws:ec2:us-east-1:<account id>:placement-group/team-pg"
+
+
+@pytest.mark.parametrize("capacity", [{"type": "spot"}, {"all_or_nothing": False},
+                                      {"type": "capacity-reservation", "reservation_id": RESERVATION}])
+def test_no_program_reservation_for_spot_opt_out_or_a_given_reservation(capacity):
+    plan = plan_of(capacity=capacity)
+    assert "aws:ec2/capacityReservation:CapacityReservation" not in plan.mocks.counts()
+    assert "demo-expiry-capacity" not in _schedules(plan)

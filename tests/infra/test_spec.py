@@ -111,11 +111,7 @@ def test_every_problem_is_listed_at_once():
     assert all(p.fix for p in caught.value.problems)
 
 
-def test_expiry_time_is_required_when_expiry_is_on_and_nothing_is_registered():
-    recorder = RecordingMocks()
-    with pytest.raises(SpecError, match="fsdp-cluster:expiresAt"):
-        run_offline(demo_data(), None, mocks=recorder)
-    assert recorder.registrations == []
+def test_a_bad_expiry_time_registers_nothing():
     recorder = RecordingMocks()
     with pytest.raises(SpecError, match="ISO 8601 UTC"):
         run_offline(demo_data(), "2026-12-03 13:00 +0200", mocks=recorder)

@@ -12,6 +12,7 @@ pass/fail table.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -196,8 +197,21 @@ def check_quota(spec: ClusterSpec, aws: AwsClients) -> Outcome:
               if i["InstanceType"].startswith("p") and i["InstanceId"] not in own_ids
               and (i.get("InstanceLifecycle") == "spot") == spot]
     in_use = sum(_vcpus(i) for i in others)
+    waiting = 0
+    if spot:
+        # Open (not yet fulfilled) spot requests hold their share of the spot quota too.
+        pages = aws.ec2.get_paginator("describe_spot_instance_requests").paginate(
+            Filters=[{"Name": "state", "Values": ["open"]}])
+        for page in pages:
+            for request in page["SpotInstanceRequests"]:
+                itype = (request.get("LaunchSpecification") or {}).get("InstanceType", "")
+                known = catalog.CATALOG.get(itype)
+                if itype.startswith("p"):
+                    waiting += known.vcpus if known else 0
+        in_use += waiting
     needed = spec.node_count * spec.instance.vcpus
-    detail = f"{title}: quota {limit} vCPUs, {in_use} in use, cluster needs {needed}"
+    detail = (f"{title}: quota {limit} vCPUs, {in_use} in use"
+              + (f" ({waiting} by open spot requests)" if waiting else "") + f", cluster needs {needed}")
     if needed + in_use <= limit:
         return Outcome(detail)
     fits = max(0, (limit - in_use) // spec.instance.vcpus)
@@ -246,6 +260,14 @@ def check_image(spec: ClusterSpec, aws: AwsClients) -> Outcome:
     if image.get("State", "available") != "available":
         findings.append(Finding(f"{field_name}: AMI {ami} is {image.get('State')}, not available",
                                 "wait until it is available, or use another AMI"))
+    root = next((m for m in image.get("BlockDeviceMappings", [])
+                 if m.get("DeviceName") == image.get("RootDeviceName")), None)
+    snapshot_gib = ((root or {}).get("Ebs") or {}).get("VolumeSize")
+    if snapshot_gib and spec.storage.root_volume_gib < snapshot_gib:
+        findings.append(Finding(
+            f"storage.root_volume_gib {spec.storage.root_volume_gib}: smaller than the root snapshot of "
+            f"AMI {ami} ({snapshot_gib} GiB); RunInstances refuses a root volume smaller than its snapshot",
+            f"set storage.root_volume_gib to at least {snapshot_gib}"))
     return Outcome(f"{source} ({image.get('Name', 'unnamed')}, {image.get('Architecture')})", findings)
 
 
@@ -348,6 +370,18 @@ def check_reservation(spec: ClusterSpec, aws: AwsClients) -> Outcome:
             f"availability_zone {spec.availability_zone}: reservation {rid} is in "
             f"{res.get('AvailabilityZone')}",
             f"set availability_zone: {res.get('AvailabilityZone')}"))
+    end = res.get("EndDate")
+    if is_block and end and spec.expiry_hours is not None:
+        expiry = dt.datetime.now(dt.UTC) + dt.timedelta(hours=spec.expiry_hours)
+        end_utc = end if end.tzinfo else end.replace(tzinfo=dt.UTC)
+        if end_utc < expiry:
+            hours_left = max(1, int((end_utc - dt.datetime.now(dt.UTC)).total_seconds() // 3600))
+            findings.append(Finding(
+                f"expiry_hours {spec.expiry_hours}: Capacity Block {rid} ends at {end_utc.isoformat()}, "
+                f"before the cluster would expire ({expiry.replace(microsecond=0).isoformat()}); EC2 "
+                "terminates the nodes at the block's end while the NAT gateway, bastion and file system "
+                "keep billing until the expiry",
+                f"set expiry_hours to at most {hours_left}, or extend the Capacity Block"))
     own_in_reservation = sum(
         1 for i in _own_active_instances(spec, aws)
         if i.get("CapacityReservationId") == rid)
@@ -435,6 +469,87 @@ def check_fsx_bucket(spec: ClusterSpec, aws: AwsClients) -> Outcome:
             findings.append(Finding(f"{field_name} {url}: bucket {bucket} is in {region}, the file system "
                                     f"in {spec.region}", f"use a bucket in {spec.region}"))
     return Outcome(", ".join(seen), findings)
+
+
+# What `fsdpctl up`/`down` call (directly or through the Pulumi AWS provider), as docs/aws.md lists
+# them; checked with iam:SimulatePrincipalPolicy where the caller may simulate its own policies.
+REQUIRED_ACTIONS = (
+    # pre-flight, sweep and lookups
+    "ec2:DescribeInstanceTypes", "ec2:DescribeInstanceTypeOfferings", "ec2:DescribeInstances",
+    "ec2:DescribeImages", "ec2:DescribeCapacityReservations", "ec2:DescribeSpotInstanceRequests",
+    "ec2:DescribeKeyPairs", "servicequotas:GetServiceQuota", "ssm:GetParameter", "sts:GetCallerIdentity",
+    "tag:GetResources",
+    # network
+    "ec2:CreateVpc", "ec2:ModifyVpcAttribute", "ec2:CreateSubnet", "ec2:CreateInternetGateway",
+    "ec2:AttachInternetGateway", "ec2:AllocateAddress", "ec2:CreateNatGateway", "ec2:CreateRouteTable",
+    "ec2:CreateRoute", "ec2:AssociateRouteTable", "ec2:CreateVpcEndpoint",
+    "ec2:CreateSecurityGroup", "ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
+    "ec2:CreateTags",
+    # compute
+    "ec2:CreatePlacementGroup", "ec2:CreateLaunchTemplate", "ec2:CreateLaunchTemplateVersion",
+    "ec2:CreateCapacityReservation", "ec2:ImportKeyPair", "ec2:RunInstances",
+    # identity: the node role and its instance profile; PassRole for the profile (RunInstances)
+    # and for the expiry schedules' role (CreateSchedule)
+    "iam:CreateRole", "iam:PutRolePolicy", "iam:AttachRolePolicy", "iam:CreateInstanceProfile",
+    "iam:AddRoleToInstanceProfile", "iam:PassRole", "iam:TagRole",
+    # storage
+    "s3:CreateBucket", "s3:PutBucketVersioning", "s3:PutLifecycleConfiguration",
+    "s3:PutEncryptionConfiguration", "s3:PutBucketPublicAccessBlock", "s3:PutBucketTagging",
+    "fsx:CreateFileSystem", "fsx:CreateDataRepositoryAssociation", "fsx:TagResource",
+    # expiry
+    "scheduler:CreateScheduleGroup", "scheduler:CreateSchedule", "scheduler:TagResource",
+    # down
+    "ec2:TerminateInstances", "ec2:DeleteNatGateway", "ec2:ReleaseAddress", "ec2:DeleteVpcEndpoints",
+    "ec2:DeleteSubnet", "ec2:DeleteRouteTable", "ec2:DeleteSecurityGroup", "ec2:DeleteVpc",
+    "ec2:DetachInternetGateway", "ec2:DeleteInternetGateway", "ec2:DeleteLaunchTemplate",
+    "ec2:DeletePlacementGroup", "ec2:CancelCapacityReservation", "ec2:DeleteKeyPair",
+    "iam:DeleteRole", "iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteInstanceProfile",
+    "iam:RemoveRoleFromInstanceProfile", "s3:DeleteBucket", "s3:DeleteObject", "s3:DeleteObjectVersion",
+    "fsx:DeleteFileSystem", "scheduler:DeleteSchedule", "scheduler:DeleteScheduleGroup",
+)
+DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation")
+
+
+def principal_arn(caller_arn: str) -> str | None:
+    """The IAM principal to simulate for an STS caller ARN: an assumed role's role (without its
+    path, which the session ARN does not carry), a user as it is; None for the root user."""
+    if ":assumed-role/" in caller_arn:
+        prefix, _, resource = caller_arn.partition(":assumed-role/")
+        return prefix.replace(":sts:", ":iam:") + f":role/{resource.split('/', 1)[0]}"
+    if caller_arn.endswith(":root"):
+        return None
+    return caller_arn
+
+
+@check("IAM permissions (simulated)")
+def check_permissions(spec: ClusterSpec, aws: AwsClients) -> Outcome:
+    caller = aws.sts.get_caller_identity()["Arn"]
+    principal = principal_arn(caller)
+    if principal is None:
+        return _skip("the account's root user may do everything (and should not run clusters)")
+    if ":role/" in principal:
+        try:  # the role's real ARN, with its path
+            principal = aws.iam.get_role(RoleName=principal.rsplit("/", 1)[-1])["Role"]["Arn"]
+        except botocore.exceptions.ClientError as e:
+            if error_code(e) not in (*DENIED, "NoSuchEntity"):
+                raise
+    try:
+        pages = aws.iam.get_paginator("simulate_principal_policy").paginate(
+            PolicySourceArn=principal, ActionNames=list(REQUIRED_ACTIONS))
+        results = [r for page in pages for r in page["EvaluationResults"]]
+    except botocore.exceptions.ClientError as e:
+        if error_code(e) not in DENIED:
+            raise
+        return _skip(f"{principal} may not call iam:SimulatePrincipalPolicy; the actions needed are "
+                     "listed in docs/aws.md")
+    denied = sorted(r["EvalActionName"] for r in results if r["EvalDecision"] != "allowed")
+    detail = f"{principal}: {len(results) - len(denied)}/{len(results)} actions allowed"
+    if not denied:
+        return Outcome(detail)
+    return Outcome(detail, [Finding(
+        f"the caller {principal} is not allowed {', '.join(denied)} (iam:SimulatePrincipalPolicy; a "
+        "service control policy or permissions boundary may deny more)",
+        "allow them in the caller's IAM policy (docs/aws.md lists every action fsdpctl needs)")])
 
 
 def run_preflight(spec: ClusterSpec, aws: AwsClients, out: Callable[[str], None] = print) -> PreflightReport:

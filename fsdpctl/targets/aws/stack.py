@@ -14,6 +14,7 @@ backend under the fsdpctl home; the stack name is the cluster name.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -110,13 +111,26 @@ def open_stack(spec: ClusterSpec, command, *, create: bool):
         return None
 
 
-def configure_stack(stack, spec: ClusterSpec) -> str | None:
-    """Set the stack config; returns the pinned expiry time (None when expiry is off)."""
+def _utc(text: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def _iso(when: dt.datetime) -> str:
+    return when.astimezone(dt.UTC).replace(microsecond=0, tzinfo=None).isoformat() + "Z"
+
+
+def configure_stack(stack, spec: ClusterSpec, *, now: dt.datetime | None = None,
+                    out: Out | None = None) -> str | None:
+    """Set the stack config; returns the expiry time (None when expiry is off). The expiry is
+    pinned at first creation and kept by later `up`s (re-running `up` must not push the
+    dead-man's switch out each time); once it has passed (the schedules stopped the billed
+    resources), the next `up` brings the cluster back with a new expiry of now + expiry_hours."""
     from pulumi import automation as auto
 
     from infra.program import EXPIRES_AT_KEY, expiry_time
     from infra.spec import PULUMI_CONFIG_KEY
 
+    now = now or dt.datetime.now(dt.UTC)
     stack.set_config("aws:region", auto.ConfigValue(spec.region))
     # A JSON string: the program's Config.require_object parses it into the same object.
     stack.set_config(PULUMI_CONFIG_KEY, auto.ConfigValue(json.dumps(spec.model_dump(mode="json"))))
@@ -126,11 +140,22 @@ def configure_stack(stack, spec: ClusterSpec) -> str | None:
         pinned = None
     if spec.expiry_hours is None:
         return None
+    if pinned and _utc(pinned) <= now:
+        if out:
+            out(f"cluster {spec.name} expired at {pinned} (its nodes, bastion, NAT gateway and file "
+                f"system were stopped); this `up` recreates them with a new expiry")
+        pinned = None
     if not pinned:
-        # Pinned once: re-running `up` must not push the dead-man's switch further out each time.
-        pinned = expiry_time(spec)
+        pinned = expiry_time(spec, now)
         stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(pinned))
     return pinned
+
+
+def extended_expiry(current: str | None, hours: int, now: dt.datetime) -> str:
+    """`fsdpctl extend --hours N`: N hours after the current expiry (or after now, when the
+    cluster has none)."""
+    base = _utc(current) if current else now
+    return _iso(max(base, now) + dt.timedelta(hours=hours))
 
 
 def _progress(out: Out) -> Callable[[str], None]:
@@ -167,6 +192,8 @@ def state_from_outputs(spec: ClusterSpec, outputs: Mapping[str, Any], *, key_fil
                 "proxy_jump": f"{user}@{bastion}" if bastion else None},
         "shared_dir": fsx.mount_point if fsx.enabled else None,
         "stack_outputs": dict(outputs),
+        # The program's own view (a pinned config value, or its clock resource).
+        **({"expires_at": outputs["expires_at"]} if outputs.get("expires_at") else {}),
     }
 
 
@@ -181,6 +208,66 @@ def _up_failed(spec: ClusterSpec, error: Exception) -> CommandError:
         f"What exists stays recorded in the stack. Fix the cause, then resume with `fsdpctl up SPEC.yaml` "
         f"(idempotent: Pulumi continues from what exists), or clean up with "
         f"`fsdpctl down --cluster {spec.name}`.")
+
+
+# ---- refresh -------------------------------------------------------------------------------------
+def _short(urn: str) -> str:
+    """`aws:ec2/instance:Instance demo-node0` from a URN."""
+    parts = urn.split("::")
+    return f"{parts[-2].split('$')[-1]} {parts[-1]}" if len(parts) >= 4 else urn
+
+
+def refresh_findings(summary_changes: Mapping[str, int] | None, drifted: Mapping[str, str]) -> list[str]:
+    """What `pulumi refresh` found, as lines: resources gone (terminated by the expiry schedule,
+    deleted by hand) and resources changed outside Pulumi."""
+    gone = sorted(urn for urn, op in drifted.items() if op == "delete")
+    changed = sorted(urn for urn, op in drifted.items() if op != "delete")
+    changes = dict(summary_changes or {})
+    if not gone and not changed and not changes.get("delete") and not changes.get("update"):
+        return ["pulumi refresh: the stack matches AWS (nothing changed outside Pulumi)"]
+    lines = [f"pulumi refresh: {len(gone) or changes.get('delete', 0)} resource(s) gone from AWS, "
+             f"{len(changed) or changes.get('update', 0)} changed outside Pulumi"]
+    lines += [f"  gone:    {_short(urn)}" for urn in gone]
+    lines += [f"  changed: {_short(urn)}" for urn in changed]
+    if gone:
+        lines.append("  `up` recreates what is gone (e.g. what the expiry schedule stopped)")
+    return lines
+
+
+def refresh(stack, spec: ClusterSpec, out: Out, *, what: str) -> list[str]:
+    """`pulumi refresh` before an update: reads every resource back from AWS so the preview and the
+    update start from what exists (the expiry schedule deletes billed resources behind Pulumi's
+    back). Prints and returns what it found."""
+    from pulumi import automation as auto
+    from pulumi.automation import events
+
+    drifted: dict[str, str] = {}
+
+    def on_event(event) -> None:
+        outputs = getattr(event, "res_outputs_event", None)
+        if outputs is None:
+            return
+        meta = outputs.metadata
+        op = str(getattr(meta.op, "value", meta.op))
+        if meta.op == events.OpType.REFRESH and meta.new is None:
+            op = "delete"
+        elif meta.op == events.OpType.REFRESH and meta.diffs:
+            op = "update"
+        if op in ("update", "delete"):
+            drifted[meta.urn] = op
+
+    out(f"pulumi refresh: reading stack {spec.name} back from AWS ...")
+    try:
+        result = stack.refresh(on_output=_progress(out), on_event=on_event, color="never")
+    except auto.errors.ConcurrentUpdateError as e:
+        raise _locked(spec, e, what) from None
+    except auto.errors.CommandError as e:
+        raise CommandError(f"pulumi refresh failed for cluster {spec.name}:\n{_tail(e)}\n"
+                           f"Nothing was changed. Fix the cause, then run `fsdpctl {what}` again.") from None
+    lines = refresh_findings(result.summary.resource_changes, drifted)
+    for line in lines:
+        out(line)
+    return lines
 
 
 # ---- up ------------------------------------------------------------------------------------------
@@ -212,12 +299,13 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
     from pulumi import automation as auto
 
     stack = open_stack(deployed_spec, command, create=True)
-    expires_at = configure_stack(stack, deployed_spec)
+    expires_at = configure_stack(stack, deployed_spec, out=out)
     per_hour = _offline_cost(deployed_spec, expires_at, out)
     expiry = f"; its billed resources expire at {expires_at}" if expires_at else ""
     if stack.info() is None:
         question = f"Create cluster {spec.name} on AWS (about {per_hour:,.2f} USD per hour{expiry})?"
     else:
+        refresh(stack, spec, out, what="up")
         out(f"pulumi preview: what `up` changes in the existing stack {spec.name}")
         try:
             stack.preview(diff=True, on_output=_progress(out), color="never")
@@ -238,6 +326,56 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
         raise _up_failed(spec, e) from None
     _record_outputs(state, deployed_spec, result, key_file)
     out(f"pulumi up: {dict(result.summary.resource_changes or {})}")
+
+
+# ---- extend --------------------------------------------------------------------------------------
+def extend(state: ClusterState, spec: ClusterSpec, *, hours: int, approve: Callable[[str], None],
+           out: Out, now: dt.datetime | None = None) -> str:
+    """Move the expiry N hours later: the stack config's expiresAt, then `pulumi up` (which moves
+    the schedules and the expires-at tags; nothing is replaced). Refuses an expired cluster: its
+    billed resources are gone, and `fsdpctl up` recreates them with a new expiry. Returns the new
+    time."""
+    from pulumi import automation as auto
+
+    from infra.program import EXPIRES_AT_KEY
+
+    if spec.expiry_hours is None:
+        raise UsageError(f"cluster {spec.name} has expiry_hours: null, so nothing expires; set "
+                         f"expiry_hours in {state.spec_path} and run `fsdpctl up` to give it an expiry")
+    now = now or dt.datetime.now(dt.UTC)
+    record = state.read()
+    if record.expires_at and _utc(record.expires_at) <= now:
+        raise UsageError(f"cluster {spec.name} expired at {record.expires_at}: its nodes, bastion, NAT "
+                         f"gateway and file system were stopped. Run `fsdpctl up {state.spec_path}` to "
+                         "bring it back with a new expiry (then `fsdpctl extend` moves that one)")
+    command = pulumi_command()
+    stack = open_stack(spec, command, create=False)
+    if stack is None:
+        raise UsageError(f"no Pulumi stack {spec.name} in {backend_url()}; run `fsdpctl up` first "
+                         "(or set PULUMI_BACKEND_URL to the backend it was created in)")
+    try:
+        current = stack.get_config(EXPIRES_AT_KEY).value
+    except auto.errors.CommandError:
+        current = record.expires_at
+    new = extended_expiry(current, hours, now)
+    approve(f"Move the expiry of cluster {spec.name} from {current or 'none'} to {new} "
+            f"(about {(record.cost_per_hour or 0) * hours:,.2f} USD more)?")
+    refresh(stack, spec, out, what=f"extend --hours {hours}")
+    stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(new))
+    out(f"pulumi up: stack {spec.name}, expiry {current} -> {new}")
+    try:
+        result = stack.up(on_output=_progress(out), color="never")
+    except auto.errors.ConcurrentUpdateError as e:
+        if current:  # nothing moved: keep the config saying so
+            stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(current))
+        raise _locked(spec, e, f"extend --hours {hours}") from None
+    except auto.errors.CommandError as e:
+        raise _up_failed(spec, e) from None
+    state.update(expires_at=new)
+    if record.ssh is not None:
+        _record_outputs(state, spec, result, Path(record.ssh.key_file))
+    out(f"cluster {spec.name} now expires at {new}")
+    return new
 
 
 # ---- down ----------------------------------------------------------------------------------------
@@ -342,7 +480,7 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     instance id and address are recorded."""
     from pulumi import automation as auto
 
-    from infra.program import node_urn
+    from infra.program import RETEMPLATE_KEY, node_urn
 
     record = state.read()
     node = next(n for n in record.nodes if n.rank == rank)
@@ -360,14 +498,19 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     if failures:
         raise CommandError(f"could not terminate {node.instance_id}: {failures[0][1]}; "
                            f"run `fsdpctl replace {rank}` again")
-    out(f"pulumi up --replace {node.name} ...")
+    out(f"pulumi up --replace {node.name} (with the launch template's current version) ...")
     started = time.monotonic()
+    # The nodes ignore template changes (infra/components/compute.py); this one run lets the
+    # replaced rank take the current template version, every other node keeps its own.
+    stack.set_config(RETEMPLATE_KEY, auto.ConfigValue(json.dumps([rank])))
     try:
         result = stack.up(replace=[node_urn(spec.name, spec, rank)], on_output=_progress(out), color="never")
     except auto.errors.ConcurrentUpdateError as e:
         raise _locked(spec, e, f"replace {rank}") from None
     except auto.errors.CommandError as e:
         raise _up_failed(spec, e) from None
+    finally:
+        stack.remove_config(RETEMPLATE_KEY)
     _record_outputs(state, spec, result, Path(record.ssh.key_file))
     _forget_host(state.known_hosts, node.address)
     new = next(n for n in state.read().nodes if n.rank == rank)

@@ -4,8 +4,9 @@
 at, a non-empty bucket, an interrupted run) and what it leaves keeps billing. The sweep lists every
 resource tagged `fsdp-cluster:cluster=<name>` through the EC2, FSx and Scheduler describe APIs and
 the Resource Groups Tagging API, reports it, and with `force` deletes it in dependency order:
-instances and file systems first (and waited for, since they hold ENIs and security groups), then
-NAT gateways and their addresses, ENIs, volumes, templates, placement groups, key pairs, the node
+instances (then their capacity reservation) and file systems first (and waited for, since they hold
+ENIs and security groups), then NAT gateways and their addresses, VPC endpoints (waited for: they
+hold routes and ENIs), ENIs, volumes, templates, placement groups, key pairs, the node
 and expiry IAM roles and instance profile (global, so matched by the cluster's name prefix and then
 its tag), security groups (cross-references revoked first), gateways, route tables, subnets and
 finally the VPC.
@@ -28,6 +29,7 @@ WAIT_POLL_SECONDS = 15
 INSTANCE_WAIT_SECONDS = 15 * 60
 FSX_WAIT_SECONDS = 30 * 60
 NAT_WAIT_SECONDS = 10 * 60
+ENDPOINT_WAIT_SECONDS = 10 * 60
 
 
 @dataclass(frozen=True)
@@ -354,8 +356,39 @@ def _find_vpc_endpoints(aws: AwsClients, cluster: str) -> list[Leftover]:
             if e.get("State", "").lower() not in ("deleting", "deleted")]
 
 
+def _endpoints_gone(aws: AwsClients, ids: list[str]) -> bool:
+    try:
+        endpoints = aws.ec2.describe_vpc_endpoints(VpcEndpointIds=ids)["VpcEndpoints"]
+    except botocore.exceptions.ClientError as e:
+        if error_code(e) == "InvalidVpcEndpointId.NotFound":
+            return True
+        raise
+    return all(e.get("State", "").lower() == "deleted" for e in endpoints)
+
+
 def _delete_vpc_endpoints(aws: AwsClients, items: list[Leftover], out: Out):
-    return _each(items, lambda e: aws.ec2.delete_vpc_endpoints(VpcEndpointIds=[e.id]), out)
+    """Delete, then wait: DeleteVpcEndpoints only starts the deletion (state `deleting`), and a
+    gateway endpoint still holds routes in its route tables and an interface endpoint its ENIs in
+    the subnets, so route tables, subnets and the VPC fail with DependencyViolation until it is gone."""
+    failures = _each(items, lambda e: aws.ec2.delete_vpc_endpoints(VpcEndpointIds=[e.id]), out)
+    failed_ids = {f[0].id for f in failures}
+    pending = [e.id for e in items if e.id not in failed_ids]
+    if pending and not _wait_until(lambda: _endpoints_gone(aws, pending), ENDPOINT_WAIT_SECONDS,
+                                   "VPC endpoints to delete", out):
+        failures += [(e, "still deleting") for e in items if e.id in pending]
+    return failures
+
+
+def _find_capacity_reservations(aws: AwsClients, cluster: str) -> list[Leftover]:
+    """The all-or-nothing reservation (it bills like running instances until cancelled)."""
+    found = _paginate(aws.ec2, "describe_capacity_reservations", "CapacityReservations",
+                      Filters=[*_tag_filter(cluster), {"Name": "state", "Values": ["active", "pending"]}])
+    return [Leftover("capacity-reservation", r["CapacityReservationId"],
+                     f"{r.get('TotalInstanceCount')} x {r.get('InstanceType')}") for r in found]
+
+
+def _cancel_capacity_reservations(aws: AwsClients, items: list[Leftover], out: Out):
+    return _each(items, lambda r: aws.ec2.cancel_capacity_reservation(CapacityReservationId=r.id), out)
 
 
 def _find_internet_gateways(aws: AwsClients, cluster: str) -> list[Leftover]:
@@ -431,8 +464,8 @@ def _delete_buckets(aws: AwsClients, items: list[Leftover], out: Out):
 # repository association with its file system).
 _COVERED_ARN_TYPES = {
     ("ec2", t) for t in ("instance", "network-interface", "volume", "security-group", "security-group-rule",
-                         "launch-template",
-                         "placement-group", "key-pair", "natgateway", "elastic-ip", "vpc-endpoint",
+                         "launch-template", "placement-group", "capacity-reservation", "key-pair",
+                         "natgateway", "elastic-ip", "vpc-endpoint",
                          "internet-gateway", "route-table", "subnet", "vpc")
 } | {("fsx", "file-system"), ("fsx", "association"), ("scheduler", "schedule-group"), ("s3", "bucket")}
 
@@ -461,6 +494,7 @@ def _find_tagged_others(aws: AwsClients, cluster: str) -> list[Leftover]:
 KINDS: list[Kind] = [
     Kind("schedule-group", _find_schedule_group, _delete_schedule_groups),
     Kind("instance", _find_instances, terminate_and_wait),
+    Kind("capacity-reservation", _find_capacity_reservations, _cancel_capacity_reservations),
     Kind("fsx-file-system", _find_file_systems, _delete_file_systems),
     Kind("nat-gateway", _find_nat_gateways, _delete_nat_gateways),
     Kind("elastic-ip", _find_addresses, _release_addresses),
