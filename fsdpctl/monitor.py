@@ -33,7 +33,8 @@ PROMETHEUS_RANK = 0  # monitoring_server_rank
 TUNNEL_TIMEOUT_S = 20
 QUERY_TIMEOUT_S = 20
 RATE_WINDOW = "10s"  # several scrapes at the role's interval (1 s local, 2 s AWS)
-LIVE_S = 30  # a trainer file not updated for this long is a finished or hung job
+LIVE_S = 30
+NETDEV = 'device!="lo"'  # a trainer file not updated for this long is a finished or hung job
 
 
 class PrometheusError(CommandError):
@@ -70,8 +71,9 @@ class Prometheus:
         while time.monotonic() < deadline:
             if self._tunnel.poll() is not None:
                 err = (self._tunnel.stderr.read() if self._tunnel.stderr else "").strip()
-                raise PrometheusError(f"the SSH tunnel to Prometheus on {self.node.name} ({self.node.address}) "
-                                      f"exited {self._tunnel.returncode}: {err or 'no message'}")
+                raise PrometheusError(f"the SSH tunnel to Prometheus on {self.node.name} "
+                                      f"({self.node.address}) exited {self._tunnel.returncode}: "
+                                      f"{err or 'no message'}")
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
                     if response.status == 200:
@@ -80,9 +82,10 @@ class Prometheus:
                 last = str(e)
             time.sleep(0.2)
         self.close()
-        raise PrometheusError(f"Prometheus on {self.node.name} ({self.node.address}:{PROMETHEUS_PORT}) is not "
-                              f"ready after {TUNNEL_TIMEOUT_S} s ({last}): run `fsdpctl configure --tags "
-                              "monitoring` (the monitoring role installs and starts it)")
+        raise PrometheusError(f"Prometheus on {self.node.name} ({self.node.address}:{PROMETHEUS_PORT}) "
+                              f"is not ready after {TUNNEL_TIMEOUT_S} s ({last}): run "
+                              "`fsdpctl configure --tags monitoring` (the monitoring role installs and "
+                              "starts it)")
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -134,8 +137,8 @@ NODE_QUERIES = {
     "cpu_util": f'1 - avg by (node) (rate(node_cpu_seconds_total{{mode="idle"}}[{RATE_WINDOW}]))',
     "mem_used_bytes": "max by (node) (node_memory_MemTotal_bytes - node_memory_MemAvailable_bytes)",
     "mem_total_bytes": "max by (node) (node_memory_MemTotal_bytes)",
-    "net_rx_bps": f'sum by (node) (rate(node_network_receive_bytes_total{{device!="lo"}}[{RATE_WINDOW}])) * 8',
-    "net_tx_bps": f'sum by (node) (rate(node_network_transmit_bytes_total{{device!="lo"}}[{RATE_WINDOW}])) * 8',
+    "net_rx_bps": f'sum by (node) (rate(node_network_receive_bytes_total{{{NETDEV}}}[{RATE_WINDOW}])) * 8',
+    "net_tx_bps": f'sum by (node) (rate(node_network_transmit_bytes_total{{{NETDEV}}}[{RATE_WINDOW}])) * 8',
     "link_bps": 'max by (node) (node_network_speed_bytes{device!="lo"}) * 8',
     "efa_rx_bps": f"sum by (node) (rate(fsdp_efa_rx_bytes_total[{RATE_WINDOW}])) * 8",
     "efa_tx_bps": f"sum by (node) (rate(fsdp_efa_tx_bytes_total[{RATE_WINDOW}])) * 8",
@@ -199,7 +202,8 @@ def render_view(view: dict[str, Any]) -> str:
                      _gbps(r.get("efa_rx_bps")), _gbps(r.get("efa_tx_bps")),
                      "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"))
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in [head, *rows]]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+             for row in [head, *rows]]
     jobs = view.get("jobs") or {}
     lines.append("jobs: " + (", ".join(f"{job} {tps:,.0f} tok/s" for job, tps in sorted(jobs.items()))
                              if jobs else "no training job is exporting metrics"))

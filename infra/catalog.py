@@ -40,22 +40,26 @@ CATALOG: dict[str, InstanceType] = {
         InstanceType(
             name="p4d.24xlarge", gpus=8, gpu_model="A100-SXM4-40GB", gpu_memory_gib=40, vcpus=96,
             memory_gib=1152, network_cards=4, efa_interfaces=4, nvme_devices=8, nvme_device_gb=1000,
-            peak_bf16_tflops_per_gpu=312.0, nvswitch=True, allreduce_busbw_gate_gbps=70.0, network_gbps=400.0,
+            peak_bf16_tflops_per_gpu=312.0, nvswitch=True, allreduce_busbw_gate_gbps=70.0,
+            network_gbps=400.0,
         ),
         InstanceType(
             name="p4de.24xlarge", gpus=8, gpu_model="A100-SXM4-80GB", gpu_memory_gib=80, vcpus=96,
             memory_gib=1152, network_cards=4, efa_interfaces=4, nvme_devices=8, nvme_device_gb=1000,
-            peak_bf16_tflops_per_gpu=312.0, nvswitch=True, allreduce_busbw_gate_gbps=70.0, network_gbps=400.0,
+            peak_bf16_tflops_per_gpu=312.0, nvswitch=True, allreduce_busbw_gate_gbps=70.0,
+            network_gbps=400.0,
         ),
         InstanceType(
             name="p5.48xlarge", gpus=8, gpu_model="H100-SXM5-80GB", gpu_memory_gib=80, vcpus=192,
             memory_gib=2048, network_cards=32, efa_interfaces=32, nvme_devices=8, nvme_device_gb=3800,
-            peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0, network_gbps=3200.0,
+            peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0,
+            network_gbps=3200.0,
         ),
         InstanceType(
             name="p5en.48xlarge", gpus=8, gpu_model="H200-SXM5-141GB", gpu_memory_gib=141, vcpus=192,
             memory_gib=2048, network_cards=16, efa_interfaces=16, nvme_devices=8, nvme_device_gb=3840,
-            peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0, network_gbps=3200.0,
+            peak_bf16_tflops_per_gpu=989.0, nvswitch=True, allreduce_busbw_gate_gbps=400.0,
+            network_gbps=3200.0,
         ),
     )
 }

@@ -28,6 +28,7 @@ import torch
 
 from trainer.config import MetricsConfig
 from trainer.distributed import Runtime
+from trainer.errors import ConfigError, Problem
 
 MIB = 2**20
 # name -> help; every one is a gauge (the step is a gauge too: a restart from a checkpoint lowers it).
@@ -35,11 +36,11 @@ METRICS = {
     "fsdp_trainer_step": "Optimizer steps done.",
     "fsdp_trainer_loss": "Training loss of the last step (mean over ranks).",
     "fsdp_trainer_tokens_per_second": "Tokens per second of the whole job (last step).",
-    "fsdp_trainer_rank_tokens_per_second": "Tokens per second this rank processed (its share over its step time).",
+    "fsdp_trainer_rank_tokens_per_second": "Tokens/s this rank processed (its share, its step time).",
     "fsdp_trainer_mfu": "Model FLOPs utilisation of the last step (0 when the device peak is unknown).",
     "fsdp_trainer_step_seconds": "Wall time of the last optimizer step on this rank.",
     "fsdp_trainer_grad_sync_share": "Share of the step spent in gradient synchronisation (NaN unmeasured).",
-    "fsdp_trainer_peak_memory_bytes": "Peak memory of this rank (CUDA allocator high-water mark, or peak RSS).",
+    "fsdp_trainer_peak_memory_bytes": "Peak memory of this rank (CUDA allocator peak; CPU: peak RSS).",
     "fsdp_trainer_host_rss_bytes": "Resident set size of this rank's process now.",
     "fsdp_trainer_device_memory_bytes": "Device memory allocated by this rank now (0 on CPU).",
     "fsdp_trainer_last_update_seconds": "Unix time of the last update of this file.",
@@ -58,14 +59,22 @@ class RankMetrics:
         self.cfg, self.runtime = cfg, runtime
         self.job = os.environ.get("TORCHELASTIC_RUN_ID") or "standalone"
         self.labels = {"job": self.job, "rank": str(runtime.rank), "host": socket.gethostname()}
-        self.path = (Path(cfg.prometheus_dir) / f"fsdp-trainer-{_safe(self.job)}-rank{runtime.rank}.prom"
-                     if cfg.prometheus_dir else None)
+        name = f"fsdp-trainer-{_safe(self.job)}-rank{runtime.rank}.prom"
+        self.path = Path(cfg.prometheus_dir) / name if cfg.prometheus_dir else None
         self._leaked: list[bytearray] = []
 
     @classmethod
     def create(cls, cfg: MetricsConfig, runtime: Runtime) -> RankMetrics | None:
-        """None when neither export nor fault injection is configured."""
-        return cls(cfg, runtime) if cfg.prometheus_dir or cfg.fault_leak_mib_per_step else None
+        """None when neither export nor fault injection is configured; ConfigError when the directory
+        cannot take the file."""
+        directory = cfg.prometheus_dir
+        if directory and not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
+            raise ConfigError([Problem("metrics.prometheus_dir", directory,
+                                       "is not a directory this user can write",
+                                       "run `fsdpctl configure --tags monitoring` (it creates node "
+                                       "exporter's textfile directory), or leave metrics.prometheus_dir "
+                                       "empty")])
+        return cls(cfg, runtime) if directory or cfg.fault_leak_mib_per_step else None
 
     def update(self, record: dict[str, Any]) -> None:
         """After a step: `record` is MetricsLogger.log_step's line (global figures, this rank's step time)."""
@@ -109,7 +118,8 @@ def render(values: dict[str, float], labels: dict[str, str]) -> str:
     label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
     lines = []
     for name, value in values.items():
-        lines += [f"# HELP {name} {METRICS[name]}", f"# TYPE {name} gauge", f"{name}{{{label_text}}} {value!r}"]
+        lines += [f"# HELP {name} {METRICS[name]}", f"# TYPE {name} gauge",
+                  f"{name}{{{label_text}}} {value!r}"]
     return "\n".join(lines) + "\n"
 
 

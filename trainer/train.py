@@ -179,7 +179,8 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
             losses, mems = gather_loss_and_memory(result.loss, runtime.device)
             record = metrics.log_step(step=step, loss=sum(losses) / len(losses), lr=result.lr,
                                       grad_norm=result.grad_norm, step_time_s=result.step_time_s,
-                                      grad_sync_s=result.grad_sync_s, mem_per_rank=mems, skipped=result.skipped)
+                                      grad_sync_s=result.grad_sync_s, mem_per_rank=mems,
+                                      skipped=result.skipped)
             if rank_metrics:
                 rank_metrics.update(record)
             if checkpoints.should_save(step, final=step == cfg.training.steps):

@@ -78,11 +78,14 @@ def leak_verdict(points: list[tuple[float, float]], bound_mib: float) -> dict[st
     return verdict
 
 
-def _pairs(step_series: list[dict], value_series: list[dict]) -> dict[tuple[str, str], list[tuple[float, float]]]:
+Points = list[tuple[float, float]]
+
+
+def _pairs(step_series: list[dict], value_series: list[dict]) -> dict[tuple[str, str], Points]:
     """(job, rank) -> [(step, value)] joined on the sample time (both come from one textfile, so one
     scrape has both)."""
     steps = {(s["metric"].get("job"), s["metric"].get("rank")): dict(s["values"]) for s in step_series}
-    out: dict[tuple[str, str], list[tuple[float, float]]] = defaultdict(list)
+    out: dict[tuple[str, str], Points] = defaultdict(list)
     for s in value_series:
         key = (s["metric"].get("job"), s["metric"].get("rank"))
         at_step = steps.get(key, {})
@@ -123,8 +126,8 @@ def check_monitoring(ctx: CheckContext, result: CheckResult) -> None:
     network = facts["network"]
     for node, figures in sorted(network["nodes"].items()):
         if figures["peak_share"] is not None and figures["peak_share"] >= NETWORK_USE_BOUND:
-            problems.append(f"{node} peaked at {figures['peak_share']:.0%} of its {figures['link_gbps']:g} Gbit/s "
-                            f"link (bound {NETWORK_USE_BOUND:.0%})")
+            problems.append(f"{node} peaked at {figures['peak_share']:.0%} of its {figures['link_gbps']:g} "
+                            f"Gbit/s link (bound {NETWORK_USE_BOUND:.0%})")
     leaks = facts["leaks"]
     if not leaks:
         problems.append("no trainer metrics in Prometheus for the fsdp runs: is metrics.prometheus_dir set "
@@ -176,9 +179,10 @@ def _gather(ctx: CheckContext, prom: Prometheus, start: float, end: float, step_
             for r in prom.query('max by (node) (node_network_speed_bytes{device!="lo"})', at=end)}
     series = {}
     for direction, netdev, efa in (("rx", "receive", "rx"), ("tx", "transmit", "tx")):
+        # EFA traffic bypasses the kernel's interfaces; nodes without EFA add 0.
+        efa_bps = f"sum by (node) (rate(fsdp_efa_{efa}_bytes_total[{RATE_WINDOW}])) * 8"
         q = (f'sum by (node) (rate(node_network_{netdev}_bytes_total{{device!="lo"}}[{RATE_WINDOW}])) * 8 '
-             f"+ on (node) group_left () (sum by (node) (rate(fsdp_efa_{efa}_bytes_total[{RATE_WINDOW}])) * 8 "
-             f'or sum by (node) (up{{job="node"}}) * 0)')
+             f'+ on (node) group_left () ({efa_bps} or sum by (node) (up{{job="node"}}) * 0)')
         series[direction] = _series(rng(q), "node")
     for node in sorted(set(series["rx"]) | set(series["tx"])):
         capacity = catalog_link or link.get(node)
