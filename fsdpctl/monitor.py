@@ -12,6 +12,7 @@ running there (the trainer's textfile metrics).
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from infra.catalog import CATALOG
 PROMETHEUS_PORT = 9090  # monitoring_prometheus_port in ansible/roles/monitoring/defaults/main.yml
 PROMETHEUS_RANK = 0  # monitoring_server_rank
 TUNNEL_TIMEOUT_S = 20
+REFUSED_TRIES = 10  # connections node 0 refused in a row (0.2 s apart) before giving up early
 QUERY_TIMEOUT_S = 20
 RATE_WINDOW = "10s"  # several scrapes at the role's interval (1 s local, 2 s AWS)
 LIVE_S = 30
@@ -67,7 +69,7 @@ class Prometheus:
         self._tunnel = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + TUNNEL_TIMEOUT_S
-        last = ""
+        last, refused = "", 0
         while time.monotonic() < deadline:
             if self._tunnel.poll() is not None:
                 err = (self._tunnel.stderr.read() if self._tunnel.stderr else "").strip()
@@ -78,12 +80,21 @@ class Prometheus:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
                     if response.status == 200:
                         return self
-            except (urllib.error.URLError, OSError) as e:
-                last = str(e)
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                last = str(e) or type(e).__name__
+                # The tunnel accepted the connection but node 0 refused it (ssh closes it at once):
+                # nothing listens there. A starting Prometheus answers 503 instead, and is waited for.
+                dropped = isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError)) or \
+                    isinstance(getattr(e, "reason", None), ConnectionResetError)
+                refused = refused + 1 if dropped else 0
+                if refused >= REFUSED_TRIES:
+                    break
             time.sleep(0.2)
         self.close()
+        why = ("refuses connections" if refused >= REFUSED_TRIES
+               else f"is not ready after {TUNNEL_TIMEOUT_S} s")
         raise PrometheusError(f"Prometheus on {self.node.name} ({self.node.address}:{PROMETHEUS_PORT}) "
-                              f"is not ready after {TUNNEL_TIMEOUT_S} s ({last}): run "
+                              f"{why} ({last}): run "
                               "`fsdpctl configure --tags monitoring` (the monitoring role installs and "
                               "starts it)")
 
