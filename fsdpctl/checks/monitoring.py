@@ -34,6 +34,7 @@ WARMUP_FRACTION = 0.25  # of a job's steps; at least WARMUP_MIN_STEPS
 WARMUP_MIN_STEPS = 2
 MIN_FIT_STEPS = 4  # distinct steps after warm-up needed to fit a slope
 MIB = 2**20
+RATE_WINDOW_S = int(RATE_WINDOW.removesuffix("s"))
 
 
 def least_squares_slope(points: Iterable[tuple[float, float]]) -> float:
@@ -184,9 +185,11 @@ def _gather(ctx: CheckContext, prom: Prometheus, start: float, end: float, step_
         q = (f'sum by (node) (rate(node_network_{netdev}_bytes_total{{device!="lo"}}[{RATE_WINDOW}])) * 8 '
              f'+ on (node) group_left () ({efa_bps} or sum by (node) (up{{job="node"}}) * 0)')
         series[direction] = _series(rng(q), "node")
+    # A rate over RATE_WINDOW at the window's first seconds still holds the previous check's traffic.
+    settled = start + RATE_WINDOW_S if end - start > 2 * RATE_WINDOW_S else start
     for node in sorted(set(series["rx"]) | set(series["tx"])):
         capacity = catalog_link or link.get(node)
-        peak = max((v for d in ("rx", "tx") for _, v in series[d].get(node, [])), default=0.0)
+        peak = max((v for d in ("rx", "tx") for t, v in series[d].get(node, []) if t >= settled), default=0.0)
         nodes[node] = {"peak_gbps": round(peak / 1e9, 4), "link_gbps": capacity / 1e9 if capacity else None,
                        "peak_share": round(peak / capacity, 4) if capacity else None}
     facts["network"] = {"nodes": nodes, "series_bps": series,
