@@ -31,6 +31,7 @@ HANDLERS = {
     "deploy": "fsdpctl.deploy:cmd_deploy",
     "smoke": "fsdpctl.checks.smoke:cmd_smoke",
     "scale-test": "fsdpctl.checks.scaling:cmd_scale_test",
+    "monitor": "fsdpctl.monitor:cmd_monitor",
     "status": "fsdpctl.lifecycle:cmd_status",
     "list": "fsdpctl.lifecycle:cmd_list",
     "down": "fsdpctl.lifecycle:cmd_down",
@@ -126,11 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = cmd("smoke", "Run the acceptance checks on every node and write report.json / report.html.")
     sp.add_argument("--skip", action="append", default=[], metavar="CHECK",
-                    help="check to skip: inventory, bandwidth, fsdp or recovery (repeatable)")
+                    help="check to skip: inventory, bandwidth, fsdp, monitoring or recovery (repeatable)")
     sp.add_argument("--steps", type=int, help="training steps for the FSDP run check")
 
     sp = cmd("scale-test", "Strong- and weak-scaling runs over 1..N nodes, with plots.")
     sp.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+
+    sp = cmd("monitor", "Per-node GPU, CPU, memory, network, EFA and tokens/s from Prometheus on node 0.")
+    sp.add_argument("--once", action="store_true", help="print one view and exit (default: refresh)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (default 5)")
 
     sp = cmd("status", "Show the cluster's target, nodes, health, expiry and last results.")
     sp.add_argument("--json", action="store_true", help="machine-readable output")

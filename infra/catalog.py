@@ -35,6 +35,9 @@ class InstanceType:
     allreduce_busbw_gate_gbps: float
     # How the launch template lays out the EFA interfaces: "basic" or "p5" (see the data file).
     efa_layout: str = "basic"
+    # Network bandwidth of one instance (all network cards, EFA included), Gbit/s as AWS states it:
+    # what `fsdpctl monitor` and the smoke test's monitoring check compare traffic with.
+    network_gbps: float = 0.0
 
 
 EFA_LAYOUTS = ("basic", "p5")

@@ -190,6 +190,15 @@ class MetricsConfig(_Section):
     """Progress lines on stderr every N steps (rank 0)."""
     peak_flops: float | None = Field(default=None, gt=0)
     """Dense bf16 peak FLOP/s of one device for MFU; empty means look it up by device name."""
+    prometheus_dir: str | None = None
+    """node exporter's textfile collector directory (the monitoring role's
+    /var/lib/prometheus/node-exporter): each rank rewrites `fsdp-trainer-<job>-rank<R>.prom` there
+    after every step (docs/monitoring.md). Empty: no Prometheus metrics."""
+    fault_leak_mib_per_step: float = Field(default=0, ge=0)
+    """Fault injection, for tests only: the rank `fault_leak_rank` keeps this many MiB of host memory
+    more after every step, so the smoke test's leak check can be shown to fail. 0: off."""
+    fault_leak_rank: int = Field(default=0, ge=0)
+    """The global rank that leaks when fault_leak_mib_per_step > 0."""
 
 
 class DistributedConfig(_Section):

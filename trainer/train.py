@@ -26,6 +26,7 @@ from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdow
 from trainer.metrics import MetricsLogger, gather_loss_and_memory, stderr_log
 from trainer.model import Transformer, build_model
 from trainer.parallelize import build_mesh, parallelize, set_gradient_sync, sharding_report
+from trainer.prometheus import RankMetrics
 
 
 def lr_multiplier(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -169,20 +170,26 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
         flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
         run_info={"strategy": str(cfg.parallel.strategy), "params": cfg.model.num_params}, hosts=hosts,
         log=main_log)
+    rank_metrics = RankMetrics.create(cfg.metrics, runtime)  # Prometheus textfile (docs/monitoring.md)
     try:
         for step in range(start + 1, cfg.training.steps + 1):
             result = train_step(model, optimizer, scheduler, loader, strategy=cfg.parallel.strategy,
                                 accumulation=cfg.training.gradient_accumulation,
                                 grad_clip=cfg.optim.grad_clip, scaler=scaler, device=runtime.device)
             losses, mems = gather_loss_and_memory(result.loss, runtime.device)
-            metrics.log_step(step=step, loss=sum(losses) / len(losses), lr=result.lr,
-                             grad_norm=result.grad_norm, step_time_s=result.step_time_s,
-                             grad_sync_s=result.grad_sync_s, mem_per_rank=mems, skipped=result.skipped)
+            record = metrics.log_step(step=step, loss=sum(losses) / len(losses), lr=result.lr,
+                                      grad_norm=result.grad_norm, step_time_s=result.step_time_s,
+                                      grad_sync_s=result.grad_sync_s, mem_per_rank=mems,
+                                      skipped=result.skipped)
+            if rank_metrics:
+                rank_metrics.update(record)
             if checkpoints.should_save(step, final=step == cfg.training.steps):
                 checkpoints.save(step, model, optimizer, extra)
         checkpoints.wait()
     finally:
         loader.close()
+        if rank_metrics:
+            rank_metrics.close()
     summary = metrics.close()
     if summary["steps"]:
         main_log(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "

@@ -7,7 +7,9 @@ A report is a plain dict:
      "passed": bool, "failed": [check names],
      "checks": [{"name", "status": "pass"|"fail"|"skip", "summary", "duration_s", "details"}],
      "bandwidth": collectives result (trainer.collectives) or None,
-     "training": {"steps": [metrics lines], "per_rank": [{"rank", "tokens_per_s", "max_mem_bytes"}]}}
+     "training": {"steps": [metrics lines], "per_rank": [{"rank", "tokens_per_s", "max_mem_bytes"}],
+                  "window": [start, end] of the fsdp check (Unix time),
+                  "monitoring": Prometheus series of that window (fsdpctl/checks/monitoring.py)}}
 
 The plots are drawn with matplotlib's Agg back end and embedded as base64 PNG, so the HTML file is
 self-contained (it can be copied off the operator machine or attached to a ticket).
@@ -109,6 +111,60 @@ def _per_rank_plot(per_rank: list[Mapping[str, Any]], key: str, scale: float, yl
     return _figure_png(draw)
 
 
+def _time_plot(series: Mapping[str, list[list[float]]], start: float, scale: float, ylabel: str, title: str,
+               lines: Mapping[str, float] | None = None) -> str:
+    """One line per key over seconds since `start`; `lines`: dotted horizontal limits by label."""
+    def draw(ax):
+        for name, points in sorted(series.items()):
+            ax.plot([t - start for t, _ in points], [v / scale for _, v in points], label=name)
+        for label, value in (lines or {}).items():
+            ax.axhline(value / scale, color="red", linestyle=":", label=label)
+        ax.set_xlabel("seconds into the fsdp check")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if series:
+            ax.legend(fontsize="small")
+
+    return _figure_png(draw)
+
+
+def _step_plot(series: Mapping[str, list[list[float]]], scale: float, ylabel: str, title: str) -> str:
+    def draw(ax):
+        for name, points in sorted(series.items()):
+            ax.plot([x for x, _ in points], [v / scale for _, v in points], marker=".", label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize="x-small")
+
+    return _figure_png(draw)
+
+
+def monitoring_plots(mon: Mapping[str, Any]) -> dict[str, str]:
+    """Utilisation, network and memory over time, and throughput measured on each rank, from the
+    monitoring check's Prometheus series (report["training"]["monitoring"])."""
+    out: dict[str, str] = {}
+    start = (mon.get("window") or [0])[0]
+    util = {f"CPU {n}": p for n, p in (mon.get("cpu_util") or {}).items()}
+    util.update({f"GPU {n}": [[t, v / 100] for t, v in p] for n, p in (mon.get("gpu_util") or {}).items()})
+    if util:
+        out["Utilisation over time"] = _time_plot(util, start, 0.01, "%", "CPU (and GPU) utilisation")
+    net = {f"{n} {d}": p for d, by_node in (mon.get("network_bps") or {}).items() for n, p in by_node.items()}
+    if net:
+        links = {f"80% of {n}'s link": 0.8 * c for n, c in (mon.get("link_bps") or {}).items() if c}
+        out["Network over time"] = _time_plot(net, start, 1e9, "Gbit/s", "network (interfaces + EFA)",
+                                              dict(list(links.items())[:1]))
+    if mon.get("memory"):
+        out["Memory per rank over steps"] = _step_plot(mon["memory"], 2**20, "MiB",
+                                                       "memory per rank (leak check)")
+    per_rank = mon.get("per_rank_tokens_per_s") or {}
+    if per_rank:
+        out["Tokens/s measured on each rank"] = _per_rank_plot(
+            [{"rank": int(r), "tps": v} for r, v in sorted(per_rank.items(), key=lambda kv: int(kv[0]))],
+            "tps", 1.0, "tokens/s", "throughput measured on each rank")
+    return out
+
+
 def plots(report: Mapping[str, Any]) -> dict[str, str]:
     """Base64 PNGs by title, for whatever data the report holds."""
     out = {}
@@ -129,6 +185,7 @@ def plots(report: Mapping[str, Any]) -> dict[str, str]:
         out["Memory per rank"] = _per_rank_plot(
             [r for r in per_rank if "max_mem_bytes" in r], "max_mem_bytes", 2**20, "MiB",
             "peak memory per rank")
+    out.update(monitoring_plots(training.get("monitoring") or {}))
     return out
 
 

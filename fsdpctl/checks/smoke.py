@@ -12,6 +12,8 @@ Checks, in order (a check whose prerequisite failed is reported as skipped, with
                 (`GLOO_BUSBW_FLOOR_GBPS`).
 3. `fsdp`       a short multi-node FSDP run: loss decreases, memory balanced across ranks, gradient
                 sync share (gated on GPUs), a checkpoint written and verified, then resumed.
+   `monitoring` what Prometheus recorded during those runs: GPU utilisation (GPU nodes), peak network
+                use against the link capacity, and per-rank memory growth after warm-up (leaks).
 4. `recovery`   an elastic run with `--max-restarts`; one node's workers are killed mid-run; the time
                 from the kill to the first metrics line of the restarted workers is measured; the run
                 must complete.
@@ -32,6 +34,7 @@ from typing import Any
 from fsdpctl import remote
 from fsdpctl.checks.bandwidth import check_bandwidth
 from fsdpctl.checks.context import CheckContext, CheckError, CheckResult, check_context
+from fsdpctl.checks.monitoring import check_monitoring
 from fsdpctl.checks.nodes import check_inventory
 from fsdpctl.checks.report import PLOTS_MISSING, check_table, plots_available, write_report
 from fsdpctl.checks.torchrun import NODE_TIMEOUT_S
@@ -41,13 +44,14 @@ from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.state import ClusterState, resolve
 
-CHECKS = ("inventory", "bandwidth", "fsdp", "recovery")
+CHECKS = ("inventory", "bandwidth", "fsdp", "monitoring", "recovery")
 
 
 CHECK_FUNCTIONS: dict[str, Callable[[CheckContext, CheckResult], None]] = {
     "inventory": check_inventory,
     "bandwidth": check_bandwidth,
     "fsdp": check_fsdp,
+    "monitoring": check_monitoring,
     "recovery": check_recovery,
 }
 
@@ -81,7 +85,10 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
                 if name != "inventory":
                     deployed_venv(state)
                     remote.run_all(state, f"mkdir -p {shlex.quote(work_dir)}", timeout=NODE_TIMEOUT_S)
+                wall_start = time.time()
                 CHECK_FUNCTIONS[name](ctx, result)
+                if name == "fsdp":  # the monitoring check reads Prometheus over this window
+                    ctx.training["window"] = [wall_start, time.time()]
             except (DeployError, CheckError, remote.RemoteCommandFailed) as e:
                 result.fail(str(e))
             result.duration_s = time.monotonic() - t0

@@ -22,6 +22,8 @@ MEMORY_BALANCE_BOUND = 1.25
 # communication and computation share the same two cores).
 GRAD_SYNC_SHARE_BOUND = 0.15
 RECOVERY_TIMEOUT_S = 300
+# monitoring_textfile_dir of ansible/roles/monitoring (node exporter's textfile collector).
+PROMETHEUS_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 POLL_S = 0.25
 
 
@@ -30,7 +32,9 @@ def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, i
     checkpointing = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-interval", str(interval)] \
         if checkpoint_dir else []
     return ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), *checkpointing,
-            "--metrics-file", metrics, "--resume", resume, "--seed", "0"]
+            "--metrics-file", metrics, "--resume", resume, "--seed", "0",
+            # Per-rank metrics for Prometheus (the monitoring role's textfile directory).
+            "--set", f"metrics.prometheus_dir={PROMETHEUS_TEXTFILE_DIR}"]
 
 
 def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[dict[str, Any]]:

@@ -20,6 +20,8 @@ SET_FACTS = {
     "gpudirect_module": "efa_nv_peermem",
     "network_sysctls_skipped": {},
     "network_macaddress": "0a:1b:2c:3d:4e:5f",
+    "monitoring_volume": {"stdout_lines": ["1M-blocks", "  100000"]},
+    "monitoring_retention_mb": 20000,
 }
 
 

@@ -68,7 +68,8 @@ def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo, home):
         assert f"fsdpctl {stage}" in result.stdout
     report = _report(home)
     assert report["passed"] and report["failed"] == []
-    assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "recovery"]
+    assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
+                                                     "recovery"]
     assert {c["status"] for c in report["checks"]} == {"pass"}
     # The terminal table names every check with its result.
     for check in report["checks"]:
@@ -103,7 +104,9 @@ def test_report_carries_the_measurements(demo, home):
     assert (recovery["resumed_at_step"] - 1) % recovery["checkpoint_interval"] == 0
 
     page = (_run_dir(home, "smoke") / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 4  # bandwidth, loss, tokens/s and memory per rank
+    # bandwidth, loss, tokens/s and memory per rank; utilisation, network, memory over steps and
+    # tokens/s measured on each rank (the monitoring check)
+    assert page.count("data:image/png;base64,") == 8
 
 
 def test_second_deploy_reuses_the_wheelhouse_and_the_venvs(demo, home):

@@ -40,6 +40,11 @@ RECIPE_VERSION = 2
 # "running", not "degraded".
 MASKED_UNITS = ("nvmf-autoconnect.service",)
 COMMON_DEFAULTS = ANSIBLE_DIR / "roles/common/defaults/main.yml"
+# Other roles whose packages the offline image must carry: (defaults file, list variable).
+ROLE_PACKAGE_LISTS = ((ANSIBLE_DIR / "roles/monitoring/defaults/main.yml", "monitoring_packages"),)
+# Services the image's packages enable at boot that a role starts where (and how) it is wanted:
+# Prometheus runs on one node only, and both would listen on every address until configured.
+DISABLED_UNITS = ("prometheus.service", "prometheus-node-exporter.service")
 READY_MARKER = ".fsdp-rootfs-ready"
 
 
@@ -47,22 +52,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FSDPCTL_CACHE") or Path.home() / ".cache/fsdp-cluster").absolute()
 
 
-def role_packages(defaults_file: Path = COMMON_DEFAULTS) -> list[str]:
-    """`common_base_packages` from the common role's defaults (the image must carry what the offline
-    nodes cannot install)."""
+def role_packages(defaults_file: Path = COMMON_DEFAULTS, key: str = "common_base_packages") -> list[str]:
+    """A package list (`common_base_packages` by default) from a role's defaults (the image must
+    carry what the offline nodes cannot install)."""
     if not defaults_file.exists():
         raise CommandError(f"{defaults_file} does not exist: the node image's packages come from the common "
                            "role; run fsdpctl from a checkout of the fsdp-cluster repository")
     data = yaml.safe_load(defaults_file.read_text()) or {}
-    packages = data.get("common_base_packages", [])
+    packages = data.get(key, [])
     if not isinstance(packages, list) or not all(isinstance(p, str) and p for p in packages):
-        raise CommandError(f"{defaults_file}: common_base_packages must be a list of Debian package "
+        raise CommandError(f"{defaults_file}: {key} must be a list of Debian package "
                            f"names (got {packages!r}); fix the role defaults")
     return packages
 
 
 def image_packages(defaults_file: Path = COMMON_DEFAULTS) -> list[str]:
-    return sorted(set(BASE_PACKAGES) | set(role_packages(defaults_file)))
+    extra = {p for path, key in ROLE_PACKAGE_LISTS for p in role_packages(path, key)}
+    return sorted(set(BASE_PACKAGES) | set(role_packages(defaults_file)) | extra)
 
 
 def cache_key(packages: list[str]) -> str:
@@ -259,6 +265,8 @@ def _customise(root: Path) -> None:
     networkd = wants / "systemd-networkd.service"
     if not networkd.is_symlink():
         networkd.symlink_to("/lib/systemd/system/systemd-networkd.service")
+    for unit in DISABLED_UNITS:
+        (wants / unit).unlink(missing_ok=True)
     for unit in MASKED_UNITS:
         masked = root / "etc/systemd/system" / unit
         masked.unlink(missing_ok=True)

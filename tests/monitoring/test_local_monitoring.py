@@ -1,0 +1,188 @@
+"""Monitoring on two real local nodes (systemd-nspawn, 198.18.30.0/24): after `fsdpctl configure`
+Prometheus on node 0 has every node exporter up; a 2-node training run exports its metrics with the
+right labels while it runs, and a worker made to leak fails the leak check; the smoke report carries
+the monitoring check (an ordinary run passes it); `fsdpctl monitor --once` prints a row per node; the
+Grafana dashboard only queries metrics a real run exposes.
+
+One cluster for the module (up, configure and deploy cost about two minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdpctl import remote
+from fsdpctl.checks.context import CheckResult, check_context
+from fsdpctl.checks.monitoring import HOST_LEAK_BOUND_MIB, check_monitoring
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S
+from fsdpctl.checks.training import trainer_args
+from fsdpctl.monitor import NODE_QUERIES, Prometheus, by_node
+from fsdpctl.state import cluster_state
+from tests.local.conftest import fsdpctl, require_local_prerequisites, spec_file
+from tests.monitoring.promql import metric_names
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+NAME = "mon-test"
+SUBNET = "198.18.30.0/24"  # the monitoring area's subnet
+NODES = [f"{NAME}-node0", f"{NAME}-node1"]
+REPO = Path(__file__).resolve().parents[2]
+LEAK_STEPS = 24
+LEAK_MIB_PER_STEP = 8
+# Exported only where the hardware is (dcgm-exporter's default counters on GPU nodes; the EFA
+# script's counters on EFA nodes, whose format test_units checks): absent from a local run.
+HARDWARE_ONLY = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
+                 "fsdp_efa_rx_bytes_total", "fsdp_efa_tx_bytes_total", "fsdp_efa_rdma_read_bytes_total",
+                 "fsdp_efa_rdma_write_bytes_total"}
+
+
+def _wait(what: str, probe, timeout: float = 30.0, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} within {timeout} s")
+        time.sleep(poll)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    require_local_prerequisites()
+    home = tmp_path_factory.mktemp("home")
+    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME,
+                     local={"subnet_cidr": SUBNET, "nproc_per_node": 1})
+    try:
+        fsdpctl(home, "up", str(spec), "--target", "local")
+        fsdpctl(home, "configure", timeout=900)
+        fsdpctl(home, "deploy", timeout=900)
+        yield home
+    finally:
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, timeout=300, check=False)
+
+
+@pytest.fixture(scope="module")
+def state(home):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FSDPCTL_HOME", str(home))
+        yield cluster_state(NAME)
+
+
+def test_prometheus_on_node_0_has_every_node_exporter_up(state):
+    with Prometheus(state) as prom:
+        up = _wait("every node exporter up", lambda: (lambda u: u if u == {n: 1.0 for n in NODES} else None)(
+            by_node(prom.query('up{job="node"}'))))
+    assert up == {n: 1.0 for n in NODES}
+    # Listeners on the cluster address only, never a wildcard.
+    listening = remote.run(state, 0, "ss -Hltn").stdout
+    ports = {m[1]: m[0] for m in re.findall(r"(\S+):(9090|9100)\s", listening)}
+    assert ports == {"9090": "198.18.30.2", "9100": "198.18.30.2"}, listening
+
+
+@pytest.fixture(scope="module")
+def leak_run(state):
+    """A 2-node run in which rank 1 leaks LEAK_MIB_PER_STEP per step (the trainer's fault-injection
+    knob): the labels seen while it ran, the monitoring check over its window, the metric names."""
+    ctx = check_context(state, "monitor-test", steps=LEAK_STEPS)
+    args = trainer_args(ctx, steps=LEAK_STEPS, checkpoint_dir=None, interval=1,
+                        metrics=f"{ctx.work_dir}/leak-metrics.jsonl", resume="none")
+    started = time.time()
+    job = ctx.job("leak", [*args, "--set", f"metrics.fault_leak_mib_per_step={LEAK_MIB_PER_STEP}",
+                           "--set", "metrics.fault_leak_rank=1"])
+    try:
+        with Prometheus(state) as prom:
+            def both_ranks():
+                series = prom.query(f'fsdp_trainer_step{{job="{job.run_id}"}}')
+                return series if len(series) == 2 else None
+            live = _wait("both ranks' metrics in Prometheus while training", both_ranks,
+                         timeout=RUN_TIMEOUT_S)
+            failure = job.failure(job.wait(RUN_TIMEOUT_S))
+            names = set(prom.metric_names())
+    finally:
+        job.stop()
+    assert failure is None, failure
+    ctx.training["window"] = [started, time.time()]
+    result = CheckResult("monitoring")
+    check_monitoring(ctx, result)
+    left = remote.run_all(state, "ls /var/lib/prometheus/node-exporter")
+    return {"live": live, "run_id": job.run_id, "result": result, "names": names, "left": left}
+
+
+def test_trainer_metrics_appear_during_the_run_with_job_rank_and_host(leak_run):
+    labels = sorted((s["metric"]["rank"], s["metric"]["host"], s["metric"]["node"]) for s in leak_run["live"])
+    assert labels == [("0", NODES[0], NODES[0]), ("1", NODES[1], NODES[1])]
+    assert {s["metric"]["job"] for s in leak_run["live"]} == {leak_run["run_id"]}
+    # A finished job's files are gone, so its series do not stay exported as if it still ran.
+    assert all("fsdp-trainer-" not in r.stdout for r in leak_run["left"].values())
+
+
+def test_a_leaking_worker_fails_the_leak_check(leak_run):
+    result = leak_run["result"]
+    assert result.status == "fail", result.summary
+    leaks = result.details["leaks"]
+    rank1 = leaks[f"{leak_run['run_id']} rank 1 host RSS"]
+    rank0 = leaks[f"{leak_run['run_id']} rank 0 host RSS"]
+    assert rank1["status"] == "fail" and rank1["mib_per_100_steps"] > HOST_LEAK_BOUND_MIB
+    # The fit sees the injected rate (8 MiB a step = 800 MiB per 100 steps) within noise.
+    assert 0.7 * LEAK_MIB_PER_STEP * 100 < rank1["mib_per_100_steps"] < 1.3 * LEAK_MIB_PER_STEP * 100
+    assert rank0["status"] == "pass"
+    assert "rank 1 host RSS grows" in result.summary and "rank 0" not in result.summary
+    assert result.details["gpu"]["status"] == "skip"
+
+
+def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):
+    dashboard = json.loads((REPO / "dashboards/fsdp-cluster.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel.get("targets", [])
+               for name in metric_names(target["expr"])}
+    queried |= {name for q in NODE_QUERIES.values() for name in metric_names(q)}
+    assert "fsdp_trainer_host_rss_bytes" in queried and "node_cpu_seconds_total" in queried
+    assert queried - leak_run["names"] - HARDWARE_ONLY == set()
+    assert HARDWARE_ONLY & leak_run["names"] == set()  # else move it out of HARDWARE_ONLY
+
+
+def test_smoke_report_carries_the_monitoring_check(home):
+    result = fsdpctl(home, "smoke", "--cluster", NAME, "--skip", "bandwidth", "--skip", "recovery",
+                     "--steps", "16", timeout=900, check=False)
+    run_dir = sorted((home / "reports" / NAME).glob("*-smoke"))[-1]
+    report = json.loads((run_dir / "report.json").read_text())
+    check = next(c for c in report["checks"] if c["name"] == "monitoring")
+    assert result.returncode == 0 and check["status"] == "pass", check["summary"] + result.stdout[-3000:]
+    assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
+                                                     "recovery"]
+    fitted = [v for v in check["details"]["leaks"].values() if v["status"] != "skip"]
+    assert len(fitted) >= 2 and all(v["status"] == "pass" for v in fitted)
+    network = check["details"]["network"]["nodes"]
+    assert set(network) == set(NODES) and all(0 < n["peak_share"] < 0.8 for n in network.values())
+    monitoring = report["training"]["monitoring"]
+    assert set(monitoring["per_rank_tokens_per_s"]) == {"0", "1"}
+    page = (run_dir / "report.html").read_text()
+    for title in ("Utilisation over time", "Network over time", "Memory per rank over steps",
+                  "Tokens/s measured on each rank"):
+        assert f"<figcaption>{title}</figcaption>" in page
+
+
+def test_monitor_once_prints_a_row_per_node(home):
+    table = fsdpctl(home, "monitor", "--cluster", NAME, "--once").stdout.splitlines()
+    assert table[0].split()[:3] == ["RANK", "NODE", "UP"]
+    assert [line.split()[:3] for line in table[1:3]] == [["0", NODES[0], "yes"], ["1", NODES[1], "yes"]]
+    view = json.loads(fsdpctl(home, "monitor", "--cluster", NAME, "--once", "--json").stdout)
+    assert [n["node"] for n in view["nodes"]] == NODES
+    assert all(n["up"] == 1 and 0 <= n["cpu_util"] <= 1 and n["link_bps"] > 0 for n in view["nodes"])
+
+
+def test_monitor_names_a_missing_prometheus(home, state):
+    remote.run(state, 0, "systemctl stop prometheus")
+    try:
+        result = fsdpctl(home, "monitor", "--cluster", NAME, "--once", check=False, timeout=120)
+    finally:
+        remote.run(state, 0, "systemctl start prometheus")
+    assert result.returncode != 0
+    assert "fsdpctl configure --tags monitoring" in result.stderr
+
+

@@ -1,0 +1,186 @@
+"""The leak, network and report logic of the monitoring check, the trainer's textfile exporter, the EFA
+counter script and the dashboard's queries, without nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpctl.checks.monitoring import (
+    HOST_LEAK_BOUND_MIB,
+    MIB,
+    MIN_FIT_STEPS,
+    _pairs,
+    after_warmup,
+    leak_verdict,
+    least_squares_slope,
+)
+from fsdpctl.checks.report import monitoring_plots
+from fsdpctl.monitor import NODE_QUERIES, render_view
+from tests.monitoring.promql import metric_names
+from trainer.config import MetricsConfig
+from trainer.distributed import Runtime
+from trainer.errors import ConfigError
+from trainer.prometheus import METRICS, RankMetrics, current_rss_bytes, render
+
+REPO = Path(__file__).resolve().parents[2]
+EFA_SCRIPT = REPO / "ansible/roles/monitoring/files/fsdp-efa-counters.py"
+
+
+def test_slope_of_a_line_is_exact_and_needs_two_x_values():
+    assert least_squares_slope([(x, 3 * x + 7) for x in range(10)]) == pytest.approx(3.0)
+    assert least_squares_slope([(1, 5), (2, 5), (3, 5)]) == 0
+    # Noise around a flat line: the fit, not the last-minus-first difference.
+    assert least_squares_slope([(1, 0), (2, 10), (3, -10), (4, 0)]) == pytest.approx(-2.0)
+    with pytest.raises(ValueError, match="two distinct x"):
+        least_squares_slope([(4, 1), (4, 2)])
+
+
+def test_warmup_is_a_quarter_of_the_steps_and_at_least_two():
+    points = [(s, 0.0) for s in range(1, 41)]
+    assert min(x for x, _ in after_warmup(points)) == 11
+    assert min(x for x, _ in after_warmup(points[:6])) == 3
+    assert after_warmup([]) == []
+
+
+def _series(per_step_mib: float, steps: int = 40, noise_mib: float = 0.0) -> list[tuple[float, float]]:
+    base = 500 * MIB
+    return [(s, base + s * per_step_mib * MIB + (noise_mib * MIB if s % 3 == 0 else 0))
+            for s in range(1, steps + 1)]
+
+
+def test_leak_verdicts_against_the_bound():
+    flat = leak_verdict(_series(0, noise_mib=8), HOST_LEAK_BOUND_MIB)
+    assert flat["status"] == "pass" and abs(flat["mib_per_100_steps"]) < 50
+    leaking = leak_verdict(_series(8), HOST_LEAK_BOUND_MIB)
+    assert leaking["status"] == "fail" and leaking["mib_per_100_steps"] == pytest.approx(800, rel=1e-6)
+    # Just under and just over the bound (per 100 steps).
+    assert leak_verdict(_series(HOST_LEAK_BOUND_MIB / 100 * 0.9), HOST_LEAK_BOUND_MIB)["status"] == "pass"
+    assert leak_verdict(_series(HOST_LEAK_BOUND_MIB / 100 * 1.1), HOST_LEAK_BOUND_MIB)["status"] == "fail"
+    # A rise during warm-up only is not a leak.
+    warm = [(s, (100 if s <= 10 else 900) * MIB) for s in range(1, 41)]
+    assert leak_verdict(warm, HOST_LEAK_BOUND_MIB)["status"] == "pass"
+
+
+def test_too_few_steps_after_warmup_is_a_skip_with_the_reason():
+    verdict = leak_verdict(_series(100, steps=MIN_FIT_STEPS + 1), HOST_LEAK_BOUND_MIB)
+    assert verdict["status"] == "skip" and "needed" in verdict["reason"]
+    assert verdict["mib_per_100_steps"] is None
+
+
+def test_pairs_join_step_and_value_on_the_sample_time_one_point_per_step():
+    labels = {"job": "j", "rank": "1"}
+    steps = [{"metric": labels, "values": [[1.0, "3"], [2.0, "3"], [3.0, "5"]]}]
+    values = [{"metric": labels, "values": [[1.0, "100"], [2.0, "100"], [3.0, "140"], [4.0, "150"]]}]
+    assert _pairs(steps, values) == {("j", "1"): [(3.0, 100.0), (5.0, 140.0)]}
+
+
+def _runtime(rank: int = 1, world: int = 2) -> Runtime:
+    return Runtime(rank, world, rank, world, 0, torch.device("cpu"), "gloo", "node-a")
+
+
+def _record(step: int) -> dict:
+    return {"step": step, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.5,
+            "grad_sync_share": None, "mem_bytes_per_rank": [111, 222]}
+
+
+def test_rank_metrics_writes_one_prometheus_file_per_rank_and_removes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fsdp-1234")
+    exporter = RankMetrics.create(MetricsConfig(prometheus_dir=str(tmp_path)), _runtime())
+    exporter.update(_record(7))
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == ["fsdp-trainer-fsdp-1234-rank1.prom"]
+    samples = {line.split("{")[0]: line for line in files[0].read_text().splitlines()
+               if not line.startswith("#")}
+    assert set(samples) == set(METRICS)
+    for line in samples.values():
+        assert 'job="fsdp-1234",rank="1",host="' in line
+    assert samples["fsdp_trainer_step"].endswith(" 7")
+    assert samples["fsdp_trainer_rank_tokens_per_second"].endswith(" 500.0")
+    assert samples["fsdp_trainer_peak_memory_bytes"].endswith(" 222")  # this rank's entry
+    assert samples["fsdp_trainer_grad_sync_share"].endswith(" nan")
+    exporter.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rank_metrics_refuses_a_directory_it_cannot_write(tmp_path):
+    with pytest.raises(ConfigError, match=r"metrics\.prometheus_dir"):
+        RankMetrics.create(MetricsConfig(prometheus_dir=str(tmp_path / "absent")), _runtime())
+    assert RankMetrics.create(MetricsConfig(), _runtime()) is None
+
+
+def test_the_fault_injection_knob_grows_only_the_chosen_ranks_memory():
+    cfg = MetricsConfig(fault_leak_mib_per_step=16, fault_leak_rank=1)
+    leaking, healthy = RankMetrics.create(cfg, _runtime(1)), RankMetrics.create(cfg, _runtime(0))
+    before = current_rss_bytes()
+    for step in range(1, 5):
+        healthy.update(_record(step))
+    assert current_rss_bytes() - before < 8 * MIB
+    for step in range(1, 5):
+        leaking.update(_record(step))
+    assert current_rss_bytes() - before >= 4 * 15 * MIB
+    leaking.close()
+
+
+def test_render_escapes_label_values():
+    text = render({"fsdp_trainer_step": 3}, {"job": 'a"b\\c', "rank": "0", "host": "h"})
+    assert 'fsdp_trainer_step{job="a\\"b\\\\c",rank="0",host="h"} 3' in text
+
+
+def test_efa_script_exports_every_counter_of_every_port(tmp_path):
+    for device, port, counters in (("rdmap16s27", "1", {"rx_bytes": 10, "tx_bytes": 20}),
+                                   ("rdmap32s27", "1", {"rx_bytes": 30, "rdma_read_bytes": 5})):
+        directory = tmp_path / "sys/class/infiniband" / device / "ports" / port / "hw_counters"
+        directory.mkdir(parents=True)
+        for name, value in counters.items():
+            (directory / name).write_text(f"{value}\n")
+    out = tmp_path / "efa.prom"
+    subprocess.run([sys.executable, str(EFA_SCRIPT), str(out), str(tmp_path)], check=True)
+    text = out.read_text()
+    assert 'fsdp_efa_rx_bytes_total{device="rdmap16s27",port="1"} 10' in text
+    assert 'fsdp_efa_rx_bytes_total{device="rdmap32s27",port="1"} 30' in text
+    assert 'fsdp_efa_rdma_read_bytes_total{device="rdmap32s27",port="1"} 5' in text
+    assert text.count("# TYPE fsdp_efa_rx_bytes_total counter") == 1
+    assert not os.path.exists(str(out) + ".tmp")
+
+
+def test_metric_names_of_promql():
+    assert metric_names(NODE_QUERIES["tokens_per_s"]) == {"fsdp_trainer_rank_tokens_per_second",
+                                                          "fsdp_trainer_last_update_seconds"}
+    assert metric_names('sum by (node) (rate(node_cpu_seconds_total{mode="idle"}[$__rate_interval])) * 8') \
+        == {"node_cpu_seconds_total"}
+
+
+def test_dashboard_is_valid_grafana_json_with_a_query_per_panel():
+    dashboard = json.loads((REPO / "dashboards/fsdp-cluster.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert panels and all(p["targets"][0]["expr"] for p in panels)
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    assert dashboard["__inputs"][0]["pluginId"] == "prometheus"
+
+
+def test_monitor_view_renders_a_row_per_node():
+    view = {"nodes": [{"rank": r, "node": f"n{r}", "up": 1.0, "cpu_util": 0.5, "mem_used_bytes": 2**30,
+                       "mem_total_bytes": 2**34, "net_rx_bps": 1e9, "net_tx_bps": 2e9, "link_bps": 1e10,
+                       "tokens_per_s": 1234.0} for r in range(2)], "jobs": {"fsdp-1": 2468.0}}
+    lines = render_view(view).splitlines()
+    assert lines[0].split()[:3] == ["RANK", "NODE", "UP"]
+    assert [line.split()[1] for line in lines[1:3]] == ["n0", "n1"]
+    assert "1,234" in lines[1] and "fsdp-1 2,468 tok/s" in lines[-1]
+
+
+def test_monitoring_plots_from_series():
+    pytest.importorskip("matplotlib")
+    mon = {"window": [100.0, 110.0], "cpu_util": {"n0": [[100.0, 0.5], [101.0, 0.6]]},
+           "gpu_util": {}, "network_bps": {"rx": {"n0": [[100.0, 1e9]]}, "tx": {"n0": [[100.0, 2e9]]}},
+           "link_bps": {"n0": 1e10}, "memory": {"j rank 0 host RSS": [[5.0, 1e8], [6.0, 1.1e8]]},
+           "per_rank_tokens_per_s": {"0": 100.0, "1": 110.0}}
+    assert set(monitoring_plots(mon)) == {"Utilisation over time", "Network over time",
+                                          "Memory per rank over steps", "Tokens/s measured on each rank"}
+    assert monitoring_plots({}) == {}
