@@ -84,8 +84,11 @@ check_steps() {  # $1 option name, $2 comma list
   local name
   IFS=, read -ra names <<<"$2"
   [[ ${#names[@]} -gt 0 ]] || die_usage "$1 needs at least one step name (${ALL_STEPS[*]})"
+  local known
+  known=$(IFS=,; echo "${ALL_STEPS[*]}")
   for name in "${names[@]}"; do
-    [[ -n ${STEP_INFO[$name]+x} ]] || die_usage "$1: unknown step '$name'; the steps are: ${ALL_STEPS[*]// /,}"
+    [[ -n $name ]] || die_usage "$1 '$2' has an empty step name; give e.g. --only bf16,resume (steps: $known)"
+    [[ -n ${STEP_INFO[$name]+x} ]] || die_usage "$1: unknown step '$name'; the steps are: $known"
   done
 }
 [[ -n $ONLY ]] && check_steps --only "$ONLY"
@@ -176,6 +179,7 @@ OUT_DIR=$(cd "$OUT_DIR" && pwd) WORK=$(cd "$WORK" && pwd)
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 START=$SECONDS
+MODE=$([[ $DEVICE == cuda ]] && echo gpu || echo cpu)
 say() { echo "[gpu-check $((SECONDS - START))s] $*" >&2; }
 
 # --- setup: a CUDA torch, the trainer's modules --------------------------------------------------
@@ -183,7 +187,7 @@ declare -A ENV
 probe() {
   local line
   ENV=()
-  while IFS= read -r line; do ENV[${line%%=*}]=${line#*=}; done < <("$PY" bench/gpu_check/probe.py --mode "$DEVICE" --output "$WORK/env.json" 2>"$WORK/probe.err")
+  while IFS= read -r line; do ENV[${line%%=*}]=${line#*=}; done < <("$PY" bench/gpu_check/probe.py --mode "$MODE" --output "$WORK/env.json" 2>"$WORK/probe.err")
   [[ -n ${ENV[missing]+x} ]]
 }
 
@@ -198,6 +202,7 @@ refuse() {  # why: the check cannot run here; every step is skipped with that re
   say "REFUSED: $why"
   for s in "${ALL_STEPS[@]}"; do mark_skipped "$s" "setup refused: $why"; done
   printf '{"refused": %s}\n' "$(json_str "$why")" >"$WORK/setup.json"
+  [[ -s $WORK/env.json ]] || printf '{"mode": "%s", "python_executable": %s}\n' "$MODE" "$(json_str "$PY")" >"$WORK/env.json"
   summarize
   exit 3
 }

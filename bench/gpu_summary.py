@@ -32,8 +32,9 @@ MFU_TARGET = 0.40  # gpt-1b, seq 2048, compile, one H200
 THROUGHPUT_RATIO_TARGET = 0.9  # FSDP2 / DDP tokens/s (bench/trainer_throughput.py)
 RESUME_RTOL = 1e-3  # relative loss difference a resume may show on a GPU (non-deterministic kernels)
 # Metric keys, newest name first: the trainer's metrics may be renamed; the first present is used.
-KEYS = {"step_time": ("step_time_s",), "tokens": ("tokens_per_s",), "mem": ("max_mem_bytes", "peak_mem_bytes"),
-        "loss": ("loss",), "skipped": ("skipped",), "mfu": ("mfu",)}
+KEYS = {"step_time": ("step_time_s",), "tokens": ("tokens_per_s",),
+        "mem": ("max_mem_bytes", "peak_mem_bytes"), "loss": ("loss",), "skipped": ("skipped",),
+        "mfu": ("mfu",)}
 
 
 class WorkError(Exception):
@@ -113,7 +114,7 @@ def run_config(argv: list[str]) -> dict:
         from trainer.config import load_config
 
         cfg = load_config(config, overrides, flags)
-    except Exception as e:  # noqa: BLE001 - figures without the model's FLOPs, said so in the summary
+    except Exception as e:
         return {"config": config, "config_error": f"{type(e).__name__}: {e}"}
     return {"config": config, "seq_len": cfg.data.seq_len, "steps": cfg.training.steps,
             "tokens_per_step": cfg.training.global_batch_size * cfg.data.seq_len,
@@ -360,11 +361,14 @@ def targets(env: dict, steps: dict) -> list[dict]:
     if env.get("mode") != "gpu":
         mfu_target.update(status="not applicable", reason="CPU dry run")
     elif not gpus or "H200" not in gpus[0]:
-        mfu_target.update(status="not applicable", reason=f"the target is set for an H200, this is {gpus[:1]}")
+        mfu_target.update(status="not applicable",
+                          reason=f"the target is set for an H200, this is {gpus[:1]}")
     elif cfg.get("config") != "gpt-1b" or cfg.get("seq_len") != 2048:
-        mfu_target.update(status="not applicable", reason=f"config {cfg.get('config')} seq {cfg.get('seq_len')}")
+        mfu_target.update(status="not applicable",
+                          reason=f"config {cfg.get('config')} seq {cfg.get('seq_len')}")
     elif compiled["status"] != "pass" or compiled.get("mfu") is None:
-        mfu_target.update(status="not met", reason=f"the compile step did not give an MFU ({compiled['status']})")
+        mfu_target.update(status="not met",
+                          reason=f"the compile step did not give an MFU ({compiled['status']})")
     else:
         met = compiled["mfu"] >= MFU_TARGET
         mfu_target.update(status="met" if met else "not met",
@@ -438,8 +442,9 @@ def markdown(summary: dict) -> str:
     for name, o in steps.items():
         figures = []
         if o.get("median_tokens_per_s") is not None:
-            figures.append(f"{o['median_tokens_per_s']:,.0f} tok/s, step {_fmt(o['median_step_time_s'], '.3f')} s, "
-                           f"MFU {_fmt(o.get('mfu'), '.1%')}, peak mem {_fmt(o.get('peak_mem_gib'), '.2f')} GiB")
+            figures.append(f"{o['median_tokens_per_s']:,.0f} tok/s, "
+                           f"step {_fmt(o['median_step_time_s'], '.3f')} s, MFU {_fmt(o.get('mfu'), '.1%')}, "
+                           f"peak mem {_fmt(o.get('peak_mem_gib'), '.2f')} GiB")
         if name == "compile" and o.get("compile_time_s") is not None:
             figures.append(f"compile {o['compile_time_s']:.1f} s, gain {_fmt(o.get('compile_gain'), '+.1%')}")
         if name == "fp16" and "skipped_steps" in o:
@@ -447,8 +452,9 @@ def markdown(summary: dict) -> str:
                            f"{_fmt(o.get('loss_last_third'), '.4f')}")
         if name == "resume" and "max_rel_diff" in o:
             rng = o.get("rng") or {}
-            figures.append(f"resumed at step {o.get('resumed_at_step')}, max rel diff {_fmt(o['max_rel_diff'], '.2e')}"
-                           f" (bitwise {o['bitwise_equal']}, noise floor {_fmt(o['noise_floor_rel'], '.2e')}), "
+            figures.append(f"resumed at step {o.get('resumed_at_step')}, "
+                           f"max rel diff {_fmt(o['max_rel_diff'], '.2e')} (bitwise {o['bitwise_equal']}, "
+                           f"noise floor {_fmt(o['noise_floor_rel'], '.2e')}), "
                            f"RNG cpu {rng.get('cpu_restored')} cuda {rng.get('cuda_restored')}")
         if name == "throughput" and o.get("runs"):
             figures.append(", ".join(f"{k} {v['tokens_per_s']:,.0f} tok/s" for k, v in o["runs"].items()))
@@ -460,11 +466,24 @@ def markdown(summary: dict) -> str:
             figures.append(f"{o['backend']} x{o['world_size']}: " + ", ".join(
                 f"{r['size']} {r['busbw_gbps']:.1f} GB/s" for r in o["by_size"]))
         reason = (o.get("reason") or "").replace("|", "/")
+        if reason.startswith("setup refused"):
+            reason = "setup refused (above)"
         lines.append(f"| {name} | {o['status']} | {'; '.join(figures) or '-'} | {reason or '-'} |")
     lines += ["", "| target | status | value | why |", "|---|---|---|---|"]
     for t in summary["targets"]:
         lines.append(f"| {t['name']} | {t['status']} | {_fmt(t['value'], '.3g')} | {t.get('reason', '')} |")
     return "\n".join(lines) + "\n"
+
+
+def json_safe(obj):
+    """Non-finite floats as null: JSON has no inf or nan."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -486,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    (args.out / "summary.json").write_text(json.dumps(json_safe(summary), indent=1, default=str) + "\n")
     text = markdown(summary)
     (args.out / "summary.md").write_text(text)
     print(text)
