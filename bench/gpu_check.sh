@@ -234,7 +234,9 @@ setup() {
       refuse "torch ${torch_before:-is not installed}${torch_before:+ is a CPU build (torch.version.cuda is None)} and no CUDA torch wheel is in $WHEELS; a GPU check on CPU torch would measure nothing, and installing torch from a registry could pull a CPU build. Fix: run with a CUDA torch (PYTHON=/path/to/python), put a CUDA torch wheel and its nvidia-* wheels in --wheels, or use --dry-run for the CPU run"
     fi
     say "installing CUDA torch from $cuda_wheel (and the other wheels there) into $SITE"
-    pip_target --no-index "$WHEELS"/*.whl || refuse "installing $cuda_wheel failed: see $WORK/setup.log"
+    local others=()
+    mapfile -t others < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
+    pip_target --no-index "$cuda_wheel" "${others[@]}" || refuse "installing $cuda_wheel failed: see $WORK/setup.log"
     export PYTHONPATH="$SITE:$PYTHONPATH"
     probe || refuse "the probe failed after installing torch: $(tail -n 1 "$WORK/probe.err")"
     [[ -n ${ENV[cuda_version]} ]] || refuse "the installed torch ${ENV[torch_version]} is not a CUDA build"
@@ -251,12 +253,12 @@ setup() {
       pip_target --no-index "${wheels[@]}" || say "installing from $WHEELS failed: see $WORK/setup.log"
     else
       say "missing modules: ${ENV[missing]}; no wheels in $WHEELS, trying the package index (no dependencies)"
-      pip_target "${HELPER_WHEELS[@]}" || say "pip install from the index failed: see $WORK/setup.log"
+      pip_target --retries 0 --timeout 15 "${HELPER_WHEELS[@]}" || say "pip install from the index failed: see $WORK/setup.log"
     fi
     export PYTHONPATH="$SITE:$PYTHONPATH"
     probe || refuse "the probe failed after installing modules: $(tail -n 1 "$WORK/probe.err")"
     if [[ -n ${ENV[missing]} ]]; then
-      refuse "the trainer needs Python modules ${ENV[missing]} and they could not be installed (no wheels in $WHEELS, no network). Fix: on a machine with network run bench/gpu_check.sh --fetch-wheels .whl and bring .whl along"
+      refuse "the trainer needs Python modules ${ENV[missing]} and they could not be installed from $WHEELS or the package index (see $WORK/setup.log). Fix: on a machine with network run GPU_CHECK_WHEEL_PYTHON=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') bench/gpu_check.sh --fetch-wheels .whl and bring .whl along"
     fi
   fi
   if [[ ${ENV[torch_version]} != "$torch_before" || ${ENV[cuda_version]} != "$cuda_before" ]]; then

@@ -16,7 +16,7 @@ STEPS = ["bf16", "compile", "fp16", "resume", "throughput", "collectives"]
 def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
     # This interpreter has torch and the trainer's modules (the project's venv).
     environ = {k: v for k, v in os.environ.items() if k != "OUT" and not k.startswith("GPU_CHECK_")}
-    environ.update(PYTHON=sys.executable, **env)
+    environ.update({"PYTHON": sys.executable, **env})
     return subprocess.run([str(SCRIPT), *args], cwd=REPO, env=environ, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -109,3 +109,42 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     # Checkpoints are removed after the resume step; logs and metrics stay.
     assert not list((tmp_path / "work" / "resume").glob("ckpt*"))
     assert (tmp_path / "work" / "bf16" / "metrics.jsonl").is_file()
+
+
+def _python_without_pydantic(tmp_path: Path) -> Path:
+    """A venv that sees this one's packages (torch, numpy, PyYAML, pip) but not pydantic: what the H200
+    machine's Python looks like to the trainer."""
+    import sysconfig
+    import venv
+
+    venv.create(tmp_path / "venv", with_pip=False)
+    farm = tmp_path / "site"
+    farm.mkdir()
+    hidden = ("pydantic", "annotated_types", "typing_inspection")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(hidden):
+            (farm / entry.name).symlink_to(entry)
+    purelib = next((tmp_path / "venv" / "lib").glob("python3*")) / "site-packages"
+    (purelib / "farm.pth").write_text(f"{farm}\n")
+    python = tmp_path / "venv" / "bin" / "python"
+    probe = subprocess.run([python, "-c", "import torch, yaml, pip; import pydantic"], capture_output=True,
+                           text=True)
+    assert "No module named 'pydantic'" in probe.stderr
+    return python
+
+
+def test_missing_module_installs_from_wheels_only_and_refuses_when_it_cannot(tmp_path):
+    python = _python_without_pydantic(tmp_path)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "pydantic-0.0.0-py3-none-any.whl").write_text("not a wheel")
+    site = tmp_path / "gpu-site"
+    result = run("--dry-run", "--out", str(tmp_path / "out"), "--wheels", str(wheels), PYTHON=str(python),
+                 GPU_CHECK_SITE=str(site))
+    assert result.returncode == 3, result.stderr
+    assert "missing modules: pydantic; installing 1 wheel(s) from" in result.stderr
+    assert "the trainer needs Python modules pydantic and they could not be installed" in result.stderr
+    assert "--fetch-wheels" in result.stderr
+    log = (tmp_path / "out" / "steps" / "setup.log").read_text()
+    assert "pydantic-0.0.0-py3-none-any.whl" in log  # pip was given the carried wheel, offline
+    assert not list(site.glob("torch*"))
