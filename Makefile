@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 iputils-ping rsync
 
-.PHONY: demo plan test lint host-packages clean
+.PHONY: demo plan test lint host-packages clean gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -35,6 +35,11 @@ lint: $(STAMP)
 
 test: $(STAMP) host-packages lint
 	$(BIN)/pytest
+
+# On a machine with 1+ NVIDIA GPUs (docs/gpu-check.md): uses the Python that has CUDA torch (PYTHON=...),
+# not the CPU venv above. OUT=DIR for the results, GPU_CHECK_ARGS='--dry-run' etc. for the options.
+gpu-check:
+	bench/gpu_check.sh $(if $(OUT),--out $(OUT)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build

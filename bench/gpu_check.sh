@@ -1,0 +1,378 @@
+#!/usr/bin/env bash
+# The GPU check (docs/gpu-check.md): throughput, MFU, compile, fp16, resume and collectives of the
+# trainer on the GPUs of this machine, within a time budget (10 minutes by default), each step under
+# `timeout`, one step's failure never stopping the others. Run it from the repository root:
+#
+#   bench/gpu_check.sh [--out DIR] [--only STEPS] [--skip STEPS] [--dry-run] [--plan] ...
+#   make gpu-check                      # the same, OUT=... to choose the directory
+#
+# Writes DIR/summary.json, DIR/summary.md (bench/gpu_summary.py) and DIR/logs.tar.gz (every step's
+# arguments, log and metrics); the step directories stay in $GPU_CHECK_WORK (default DIR/steps).
+# Exit status: 0 every step passed or was skipped, 1 a step failed, 2 bad arguments, 3 this machine
+# cannot run the check (no CUDA torch, no GPU, a module that cannot be installed).
+set -uo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ALL_STEPS=(bf16 compile fp16 resume throughput collectives)
+declare -A STEP_INFO=(
+  [bf16]="gpt-1b, bf16 parameters and fp32 reduction, one GPU: tokens/s, MFU, memory, step time"
+  [compile]="the same with parallel.compile=true: compile time apart from the steady state"
+  [fp16]="fp16 parameters with GradScaler: losses finite and falling, skipped steps counted"
+  [resume]="save, then --resume auto: the resumed losses equal an uninterrupted run's; RNG restored"
+  [throughput]="bench/trainer_throughput.py: FSDP2 vs DDP with one rank per GPU"
+  [collectives]="trainer.collectives over NCCL (2+ GPUs): all-reduce bus bandwidth by size"
+)
+# Seconds each step may take at most (the budget may leave less).
+declare -A STEP_TIMEOUT=([bf16]=120 [compile]=200 [fp16]=90 [resume]=150 [throughput]=150 [collectives]=90)
+
+usage() {
+  cat <<EOF
+usage: bench/gpu_check.sh [options]
+
+Runs the GPU check steps in order (${ALL_STEPS[*]}), then writes summary.json and summary.md.
+
+options:
+  --out DIR          where summary.json, summary.md and logs.tar.gz go (default: \$OUT, else ./gpu-check-out)
+  --only STEPS       comma-separated steps to run (default: all)
+  --skip STEPS       comma-separated steps to leave out
+  --dry-run          every step on CPU with the tiny config and a few steps (same as GPU_CHECK_DEVICE=cpu)
+  --plan             print each step's commands and exit without running anything
+  --list             print the steps and what each measures, and exit
+  --budget SECONDS   total time for all steps (default: \$GPU_CHECK_BUDGET_S, else 600)
+  --wheels DIR       wheels to install missing modules from, offline (default: \$GPU_CHECK_WHEELS, else .whl)
+  --fetch-wheels DIR download those wheels here (needs the network; for a machine without one) and exit
+  -h, --help         this help
+
+environment: GPU_CHECK_DEVICE=cuda|cpu, GPU_CHECK_WORK (step directories), GPU_CHECK_SITE (where missing
+modules are installed, default /tmp/gpu-check-site), GPU_CHECK_MICRO_BATCH (sequences per GPU, default 8),
+GPU_CHECK_PEAK_FLOPS (MFU peak for an unlisted GPU), PYTHON (default python3).
+EOF
+}
+
+die_usage() { echo "error: $*" >&2; echo "run bench/gpu_check.sh --help for the options" >&2; exit 2; }
+
+# --- arguments -------------------------------------------------------------------------------------
+OUT_DIR=${OUT:-./gpu-check-out}
+ONLY="" SKIP="" PLAN=0 FETCH="" DEVICE=${GPU_CHECK_DEVICE:-cuda}
+BUDGET=${GPU_CHECK_BUDGET_S:-600}
+WHEELS=${GPU_CHECK_WHEELS:-$REPO/.whl}
+need_value() { [[ $# -ge 2 && -n $2 && $2 != --* ]] || die_usage "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --out) need_value "$@"; OUT_DIR=$2; shift 2 ;;
+    --only) need_value "$@"; ONLY=$2; shift 2 ;;
+    --skip) need_value "$@"; SKIP=$2; shift 2 ;;
+    --budget) need_value "$@"; BUDGET=$2; shift 2 ;;
+    --wheels) need_value "$@"; WHEELS=$2; shift 2 ;;
+    --fetch-wheels) need_value "$@"; FETCH=$2; shift 2 ;;
+    --dry-run) DEVICE=cpu; shift ;;
+    --plan) PLAN=1; shift ;;
+    --list) for s in "${ALL_STEPS[@]}"; do printf '%-12s %s\n' "$s" "${STEP_INFO[$s]}"; done; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
+    *) die_usage "unknown option '$1'" ;;
+  esac
+done
+case $DEVICE in
+  cuda|cpu) ;;
+  *) die_usage "GPU_CHECK_DEVICE='$DEVICE' is not a device; use cuda (the default) or cpu (--dry-run)" ;;
+esac
+[[ $BUDGET =~ ^[0-9]+$ && $BUDGET -ge 60 ]] || die_usage "--budget '$BUDGET' must be a whole number of seconds >= 60"
+MICRO_BATCH=${GPU_CHECK_MICRO_BATCH:-8}
+[[ $MICRO_BATCH =~ ^[1-9][0-9]*$ ]] || die_usage "GPU_CHECK_MICRO_BATCH='$MICRO_BATCH' must be a positive whole number"
+
+check_steps() {  # $1 option name, $2 comma list
+  local name
+  IFS=, read -ra names <<<"$2"
+  [[ ${#names[@]} -gt 0 ]] || die_usage "$1 needs at least one step name (${ALL_STEPS[*]})"
+  local known
+  known=$(IFS=,; echo "${ALL_STEPS[*]}")
+  for name in "${names[@]}"; do
+    [[ -n $name ]] || die_usage "$1 '$2' has an empty step name; give e.g. --only bf16,resume (steps: $known)"
+    [[ -n ${STEP_INFO[$name]+x} ]] || die_usage "$1: unknown step '$name'; the steps are: $known"
+  done
+}
+[[ -n $ONLY ]] && check_steps --only "$ONLY"
+[[ -n $SKIP ]] && check_steps --skip "$SKIP"
+selected() {  # is step $1 to run?
+  [[ -n $ONLY && ",$ONLY," != *",$1,"* ]] && return 1
+  [[ -n $SKIP && ",$SKIP," == *",$1,"* ]] && return 1
+  return 0
+}
+
+PY=${PYTHON:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/gpu-check-site}
+# What the trainer needs beyond torch, numpy and PyYAML (the GPU machine has those; see
+# shared/notes/gpu-machine.md). Never torch: a pip install must not replace a CUDA build.
+HELPER_WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+
+if [[ -n $FETCH ]]; then
+  mkdir -p "$FETCH" || { echo "error: cannot create --fetch-wheels directory $FETCH" >&2; exit 2; }
+  pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")' 2>/dev/null)
+  pyver=${GPU_CHECK_WHEEL_PYTHON:-${pyver:-3.12}}
+  echo "downloading ${HELPER_WHEELS[*]} for Python $pyver x86-64 into $FETCH"
+  exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$FETCH" "${HELPER_WHEELS[@]}"
+fi
+
+# --- the steps' commands ---------------------------------------------------------------------------
+if [[ $DEVICE == cuda ]]; then
+  CONFIG=gpt-1b BATCH=$MICRO_BATCH
+  N_THROUGHPUT=50 N_FP16=30 N_RESUME=20 K_RESUME=10
+  FP16_LR=(--set optim.lr=3e-4 --set optim.warmup_steps=5)
+  # The resume step writes two checkpoints: two layers keep them small (about 3 GB) and quick.
+  RESUME_MODEL=(--set model.n_layers=2)
+else
+  CONFIG=tiny BATCH=${GPU_CHECK_MICRO_BATCH:-4}
+  N_THROUGHPUT=5 N_FP16=8 N_RESUME=6 K_RESUME=3
+  FP16_LR=()
+  RESUME_MODEL=()
+fi
+# One optimizer step = one micro-batch per rank: no accumulation, the whole batch on one GPU.
+BASE=(--config "$CONFIG" --set "distributed.device=$DEVICE" --set "training.global_batch_size=$BATCH"
+      --set training.gradient_accumulation=1 --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32)
+[[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && BASE+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
+FLAT_LR=(--set optim.warmup_steps=0 --set optim.min_lr_ratio=1.0 --set optim.lr=3e-4)
+
+OUT_DIR=${OUT_DIR%/}
+WORK=${GPU_CHECK_WORK:-$OUT_DIR/steps}
+
+plan_line() { printf '  %q' "$@"; echo; }
+if [[ $PLAN == 1 ]]; then
+  echo "device: $DEVICE, config: $CONFIG, budget ${BUDGET}s, out: $OUT_DIR, work: $WORK"
+  for s in "${ALL_STEPS[@]}"; do
+    selected "$s" || { echo "$s: not selected"; continue; }
+    echo "$s (at most ${STEP_TIMEOUT[$s]}s): ${STEP_INFO[$s]}"
+    case $s in
+      bf16) plan_line "$PY" -m trainer "${BASE[@]}" --steps "$N_THROUGHPUT" --metrics-file "$WORK/bf16/metrics.jsonl" ;;
+      compile) plan_line "$PY" -m trainer "${BASE[@]}" --set parallel.compile=true --steps "$N_THROUGHPUT" \
+                 --metrics-file "$WORK/compile/metrics.jsonl" ;;
+      fp16) plan_line "$PY" -m trainer "${BASE[@]}" --set parallel.param_dtype=fp16 "${FP16_LR[@]}" \
+              --steps "$N_FP16" --metrics-file "$WORK/fp16/metrics.jsonl" ;;
+      resume)
+        plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$N_RESUME" \
+          --metrics-file "$WORK/resume/uninterrupted.jsonl"
+        plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$K_RESUME" \
+          --checkpoint-dir "$WORK/resume/ckpt" --checkpoint-interval "$K_RESUME" --metrics-file "$WORK/resume/resumed.jsonl"
+        plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$N_RESUME" \
+          --checkpoint-dir "$WORK/resume/ckpt" --checkpoint-interval "$K_RESUME" --resume auto \
+          --metrics-file "$WORK/resume/resumed.jsonl"
+        plan_line "$PY" bench/gpu_check/rng_check.py --device "$DEVICE" --dir "$WORK/resume/ckpt-rng" \
+          --output "$WORK/resume/rng.json" ;;
+      throughput) plan_line "$PY" bench/trainer_throughput.py "(ranks: one per GPU; gpt-1b on CUDA, tiny on CPU)" ;;
+      collectives) plan_line "$PY" -m torch.distributed.run --standalone "--nproc-per-node=(GPUs, 2+)" \
+                     -m trainer.collectives --output "$WORK/collectives/result.json" ;;
+    esac
+  done
+  exit 0
+fi
+
+if [[ -e $OUT_DIR && ! -d $OUT_DIR ]]; then
+  echo "error: --out $OUT_DIR exists and is not a directory; give a directory (it is created if missing)" >&2
+  exit 2
+fi
+if ! mkdir -p "$OUT_DIR" "$WORK" 2>/dev/null || [[ ! -w $OUT_DIR || ! -w $WORK ]]; then
+  echo "error: cannot write to --out $OUT_DIR (or GPU_CHECK_WORK $WORK); choose a writable directory" >&2
+  exit 2
+fi
+OUT_DIR=$(cd "$OUT_DIR" && pwd) WORK=$(cd "$WORK" && pwd)
+cd "$REPO" || exit 2
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+START=$SECONDS
+MODE=$([[ $DEVICE == cuda ]] && echo gpu || echo cpu)
+say() { echo "[gpu-check $((SECONDS - START))s] $*" >&2; }
+
+# --- setup: a CUDA torch, the trainer's modules --------------------------------------------------
+declare -A ENV
+probe() {
+  local line
+  ENV=()
+  while IFS= read -r line; do ENV[${line%%=*}]=${line#*=}; done < <("$PY" bench/gpu_check/probe.py --mode "$MODE" --output "$WORK/env.json" 2>"$WORK/probe.err")
+  [[ -n ${ENV[missing]+x} ]]
+}
+
+json_str() { local s=${1//\\/\\\\}; s=${s//\"/\\\"}; s=${s//$'\n'/ }; printf '"%s"' "$s"; }
+mark_skipped() {  # step, reason
+  mkdir -p "$WORK/$1"
+  printf '{"step": "%s", "skipped": %s}\n' "$1" "$(json_str "$2")" >"$WORK/$1/step.json"
+}
+
+refuse() {  # why: the check cannot run here; every step is skipped with that reason
+  local why=$1 s
+  say "REFUSED: $why"
+  for s in "${ALL_STEPS[@]}"; do mark_skipped "$s" "setup refused: $why"; done
+  printf '{"refused": %s}\n' "$(json_str "$why")" >"$WORK/setup.json"
+  [[ -s $WORK/env.json ]] || printf '{"mode": "%s", "python_executable": %s}\n' "$MODE" "$(json_str "$PY")" >"$WORK/env.json"
+  summarize
+  exit 3
+}
+
+summarize() {
+  local rc=0
+  "$PY" bench/gpu_summary.py --work "$WORK" --out "$OUT_DIR" || rc=$?
+  tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" --exclude='ckpt*' . 2>/dev/null || say "could not write logs.tar.gz"
+  say "summary: $OUT_DIR/summary.md, $OUT_DIR/summary.json; logs: $OUT_DIR/logs.tar.gz"
+  return $rc
+}
+
+pip_target() {  # install wheels or names into $SITE, never their dependencies (torch stays as it is)
+  mkdir -p "$SITE"
+  timeout 180 "$PY" -m pip install -q --no-deps --no-compile --disable-pip-version-check --upgrade \
+    --target "$SITE" "$@" >>"$WORK/setup.log" 2>&1
+}
+
+setup() {
+  rm -f "$WORK/setup.json"
+  probe || refuse "$PY cannot run bench/gpu_check/probe.py: $(tail -n 1 "$WORK/probe.err")"
+  local torch_before=${ENV[torch_version]} cuda_before=${ENV[cuda_version]}
+  say "python: $PY, torch ${torch_before:-none}, CUDA ${cuda_before:-none}, GPUs ${ENV[gpu_count]} ${ENV[gpu_name]}"
+  if [[ $DEVICE == cuda && -z $cuda_before ]]; then
+    # Only a CUDA build may be installed, and only from a wheel already here (no network assumed).
+    local cuda_wheel
+    cuda_wheel=$(find "$WHEELS" -maxdepth 1 -name 'torch-*.whl' ! -name '*+cpu*' 2>/dev/null | head -n 1)
+    if [[ -z $cuda_wheel ]]; then
+      refuse "torch ${torch_before:-is not installed}${torch_before:+ is a CPU build (torch.version.cuda is None)} and no CUDA torch wheel is in $WHEELS; a GPU check on CPU torch would measure nothing, and installing torch from a registry could pull a CPU build. Fix: run with a CUDA torch (PYTHON=/path/to/python), put a CUDA torch wheel and its nvidia-* wheels in --wheels, or use --dry-run for the CPU run"
+    fi
+    say "installing CUDA torch from $cuda_wheel (and the other wheels there) into $SITE"
+    local others=()
+    mapfile -t others < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
+    pip_target --no-index "$cuda_wheel" "${others[@]}" || refuse "installing $cuda_wheel failed: see $WORK/setup.log"
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+    probe || refuse "the probe failed after installing torch: $(tail -n 1 "$WORK/probe.err")"
+    [[ -n ${ENV[cuda_version]} ]] || refuse "the installed torch ${ENV[torch_version]} is not a CUDA build"
+    torch_before=${ENV[torch_version]} cuda_before=${ENV[cuda_version]}
+  fi
+  if [[ $DEVICE == cuda && ${ENV[gpu_count]:-0} -lt 1 ]]; then
+    refuse "torch $torch_before (CUDA $cuda_before) sees no GPU (torch.cuda.is_available() is False): check nvidia-smi and the driver, or use --dry-run"
+  fi
+  if [[ -n ${ENV[missing]} ]]; then
+    local wheels=()
+    mapfile -t wheels < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
+    if [[ ${#wheels[@]} -gt 0 ]]; then
+      say "missing modules: ${ENV[missing]}; installing ${#wheels[@]} wheel(s) from $WHEELS into $SITE (no dependencies)"
+      pip_target --no-index "${wheels[@]}" || say "installing from $WHEELS failed: see $WORK/setup.log"
+    else
+      say "missing modules: ${ENV[missing]}; no wheels in $WHEELS, trying the package index (no dependencies)"
+      pip_target --retries 0 --timeout 15 "${HELPER_WHEELS[@]}" || say "pip install from the index failed: see $WORK/setup.log"
+    fi
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+    probe || refuse "the probe failed after installing modules: $(tail -n 1 "$WORK/probe.err")"
+    if [[ -n ${ENV[missing]} ]]; then
+      refuse "the trainer needs Python modules ${ENV[missing]} and they could not be installed from $WHEELS or the package index (see $WORK/setup.log). Fix: on a machine with network run GPU_CHECK_WHEEL_PYTHON=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")') bench/gpu_check.sh --fetch-wheels .whl and bring .whl along"
+    fi
+  fi
+  if [[ ${ENV[torch_version]} != "$torch_before" || ${ENV[cuda_version]} != "$cuda_before" ]]; then
+    refuse "torch changed from $torch_before (CUDA ${cuda_before:-none}) to ${ENV[torch_version]} (CUDA ${ENV[cuda_version]:-none}) after installing modules; remove $SITE/torch and run again"
+  fi
+  NGPU=${ENV[gpu_count]:-0}
+  printf '{"python": %s, "pythonpath": %s, "wheels": %s}\n' "$(json_str "$PY")" "$(json_str "$PYTHONPATH")" \
+    "$(json_str "$WHEELS")" >"$WORK/setup.json"
+}
+
+# --- running a step --------------------------------------------------------------------------------
+RESERVE=20        # seconds kept for the summary
+MIN_STEP=20       # a step is not started with less than this
+STEP_DEADLINE=0
+SKIPPED=99        # a step function's status for "skipped itself, step.json written"
+left() { echo $((STEP_DEADLINE - SECONDS)); }
+
+# sub NAME CMD...: one command of the current step under the step's remaining time; its arguments go
+# to NAME.args (one per line, read by gpu_summary.py), its output to NAME.log.
+sub() {
+  local name=$1 t rc; shift
+  t=$(left)
+  if [[ $t -lt 5 ]]; then
+    echo "not started: the step's time was used up" >"$STEP_DIR/$name.log"
+    echo 124 >"$STEP_DIR/$name.rc"; return 124
+  fi
+  printf '%s\n' "$@" >"$STEP_DIR/$name.args"
+  timeout --kill-after=15 "$t" "$@" >"$STEP_DIR/$name.log" 2>&1
+  rc=$?
+  echo $rc >"$STEP_DIR/$name.rc"
+  return $rc
+}
+
+run_step() {  # name
+  local s=$1 remaining limit began rc=0 timed_out=false
+  STEP_DIR=$WORK/$s
+  rm -rf "$STEP_DIR"; mkdir -p "$STEP_DIR"
+  remaining=$((BUDGET - (SECONDS - START) - RESERVE))
+  if [[ $remaining -lt $MIN_STEP ]]; then
+    mark_skipped "$s" "time budget: ${remaining}s of the ${BUDGET}s left, under the ${MIN_STEP}s a step needs"
+    say "$s: skipped (time budget)"; return
+  fi
+  limit=$(( STEP_TIMEOUT[$s] < remaining ? STEP_TIMEOUT[$s] : remaining ))
+  STEP_DEADLINE=$((SECONDS + limit))
+  began=$SECONDS
+  say "$s: ${STEP_INFO[$s]} (at most ${limit}s; $DEVICE, config $CONFIG)"
+  "step_$s" || rc=$?
+  [[ $rc == "$SKIPPED" ]] && return  # the step wrote its own step.json
+  [[ $rc == 124 || $rc == 137 ]] && timed_out=true
+  printf '{"step": "%s", "rc": %s, "seconds": %s, "limit_s": %s, "timed_out": %s, "device": "%s"}\n' \
+    "$s" "$rc" "$((SECONDS - began))" "$limit" "$timed_out" "$DEVICE" >"$STEP_DIR/step.json"
+  say "$s: exit $rc in $((SECONDS - began))s$([[ $timed_out == true ]] && echo ' (timed out)')"
+}
+
+trainer() { sub "$1" "$PY" -m trainer "${@:2}"; }
+
+step_bf16() {
+  trainer run "${BASE[@]}" --steps "$N_THROUGHPUT" --metrics-file "$STEP_DIR/metrics.jsonl"
+}
+
+step_compile() {
+  trainer run "${BASE[@]}" --set parallel.compile=true --steps "$N_THROUGHPUT" \
+    --metrics-file "$STEP_DIR/metrics.jsonl"
+}
+
+step_fp16() {
+  trainer run "${BASE[@]}" --set parallel.param_dtype=fp16 "${FP16_LR[@]}" --steps "$N_FP16" \
+    --metrics-file "$STEP_DIR/metrics.jsonl"
+}
+
+step_resume() {
+  local common=("${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}") ckpt=$STEP_DIR/ckpt rc=0
+  trainer uninterrupted "${common[@]}" --steps "$N_RESUME" --metrics-file "$STEP_DIR/uninterrupted.jsonl" || rc=$?
+  trainer first-half "${common[@]}" --steps "$K_RESUME" --checkpoint-dir "$ckpt" \
+    --checkpoint-interval "$K_RESUME" --metrics-file "$STEP_DIR/resumed.jsonl" || rc=$?
+  trainer second-half "${common[@]}" --steps "$N_RESUME" --checkpoint-dir "$ckpt" \
+    --checkpoint-interval "$K_RESUME" --resume auto --metrics-file "$STEP_DIR/resumed.jsonl" || rc=$?
+  sub rng "$PY" bench/gpu_check/rng_check.py --device "$DEVICE" --dir "$STEP_DIR/ckpt-rng" \
+    --output "$STEP_DIR/rng.json" || rc=$?
+  rm -rf "$ckpt" "$STEP_DIR/ckpt-rng"
+  return $rc
+}
+
+step_throughput() {
+  local args=(--steps 5 --warmup-steps 2 --output "$STEP_DIR/result.json")
+  if [[ $DEVICE == cuda ]]; then
+    args+=(--nproc "$NGPU")
+  else
+    args=(--config tiny --set distributed.device=cpu --set training.gradient_accumulation=1
+          --set training.global_batch_size=8 --nproc 2 --steps 3 --warmup-steps 1 --output "$STEP_DIR/result.json")
+  fi
+  sub run "$PY" bench/trainer_throughput.py "${args[@]}"
+}
+
+step_collectives() {
+  local nproc=$NGPU args=(--backend nccl --iters 10 --warmup 3)
+  if [[ $DEVICE == cpu ]]; then
+    nproc=2 args=(--backend gloo --sizes 4K,64K,1M --iters 3 --warmup 1)
+  elif [[ $NGPU -lt 2 ]]; then
+    mark_skipped collectives "one GPU ($NGPU visible): an all-reduce needs 2+ GPUs"
+    say "collectives: skipped (one GPU)"
+    return "$SKIPPED"
+  fi
+  sub run "$PY" -m torch.distributed.run --standalone "--nproc-per-node=$nproc" -m trainer.collectives \
+    "${args[@]}" --output "$STEP_DIR/result.json"
+}
+
+# --- main ------------------------------------------------------------------------------------------
+say "device $DEVICE, budget ${BUDGET}s, out $OUT_DIR, work $WORK"
+setup
+for s in "${ALL_STEPS[@]}"; do
+  if ! selected "$s"; then
+    rm -rf "${WORK:?}/$s"; mark_skipped "$s" "not selected (--only/--skip)"; continue
+  fi
+  run_step "$s"
+done
+summarize

@@ -1,0 +1,150 @@
+"""bench/gpu_check.sh: its arguments, its refusal on CPU torch, and the whole CPU dry run end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "bench" / "gpu_check.sh"
+STEPS = ["bf16", "compile", "fp16", "resume", "throughput", "collectives"]
+
+
+def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    # This interpreter has torch and the trainer's modules (the project's venv).
+    environ = {k: v for k, v in os.environ.items() if k != "OUT" and not k.startswith("GPU_CHECK_")}
+    environ.update({"PYTHON": sys.executable, **env})
+    return subprocess.run([str(SCRIPT), *args], cwd=REPO, env=environ, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["--only", "bf16,nccl"], {}, "--only: unknown step 'nccl'; the steps are: bf16,compile,fp16"),
+    (["--skip", "resume,,fp16"], {}, "--skip 'resume,,fp16' has an empty step name"),
+    (["--out"], {}, "--out needs a value"),
+    (["--out", "--dry-run"], {}, "--out needs a value"),
+    (["--fast"], {}, "unknown option '--fast'"),
+    (["--budget", "ten"], {}, "--budget 'ten' must be a whole number of seconds >= 60"),
+    ([], {"GPU_CHECK_DEVICE": "tpu"}, "GPU_CHECK_DEVICE='tpu' is not a device; use cuda"),
+    (["--dry-run"], {"GPU_CHECK_MICRO_BATCH": "0"}, "GPU_CHECK_MICRO_BATCH='0' must be a positive"),
+])
+def test_bad_arguments_are_refused_with_the_fix(args, env, message):
+    result = run(*args, **env)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "--help" in result.stderr
+
+
+def test_out_that_is_a_file_is_refused(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("x")
+    result = run("--dry-run", "--out", str(target))
+    assert result.returncode == 2
+    assert f"--out {target} exists and is not a directory" in result.stderr
+    assert not (tmp_path / "file" / "summary.json").exists() and target.read_text() == "x"
+
+
+def test_list_and_help():
+    listed = run("--list")
+    assert listed.returncode == 0
+    assert [line.split()[0] for line in listed.stdout.splitlines()] == STEPS
+    helped = run("--help")
+    assert helped.returncode == 0 and "--dry-run" in helped.stdout and "--fetch-wheels" in helped.stdout
+
+
+def test_plan_selects_the_compile_step_alone(tmp_path):
+    result = run("--plan", "--dry-run", "--only", "compile", "--out", str(tmp_path / "o"))
+    assert result.returncode == 0, result.stderr
+    compile_lines = [line for line in result.stdout.splitlines() if "-m  trainer" in line.replace("'", "")]
+    assert len(compile_lines) == 1
+    assert "parallel.compile=true" in compile_lines[0] and "distributed.device=cpu" in compile_lines[0]
+    for other in ("bf16", "fp16", "resume", "throughput", "collectives"):
+        assert f"{other}: not selected" in result.stdout
+    assert not (tmp_path / "o").exists()  # a plan runs and writes nothing
+
+
+def test_gpu_plan_uses_the_1b_preset_in_bf16():
+    result = run("--plan", "--only", "bf16")
+    line = next(line for line in result.stdout.splitlines() if "metrics-file" in line)
+    for part in ("--config  gpt-1b", "distributed.device=cuda", "parallel.param_dtype=bf16",
+                 "parallel.reduce_dtype=fp32", "training.global_batch_size=8", "--steps  50"):
+        assert part in line
+
+
+@pytest.mark.skipif(bool(__import__("torch").version.cuda), reason="needs a CPU build of torch")
+def test_gpu_mode_on_cpu_torch_refuses_and_says_why(tmp_path):
+    out = tmp_path / "out"
+    result = run("--out", str(out), "--wheels", str(tmp_path / "no-wheels"))
+    assert result.returncode == 3, result.stderr
+    assert "is a CPU build (torch.version.cuda is None)" in result.stderr
+    assert "no CUDA torch wheel" in result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert "CPU build" in summary["setup"]["refused"]
+    assert {s["status"] for s in summary["steps"].values()} == {"skipped"}
+    assert "setup refused" in (out / "summary.md").read_text()
+    # Nothing was installed: the refusal comes before any pip call.
+    assert not (out / "steps" / "setup.log").exists()
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_on_cpu(tmp_path):
+    """The whole check on CPU but the compile step (its CPU compile alone takes ~100 s on 2 cores;
+    test_plan_selects_the_compile_step_alone covers its command)."""
+    out = tmp_path / "out"
+    result = run("--dry-run", "--skip", "compile", "--out", str(out), timeout=400,
+                 GPU_CHECK_WORK=str(tmp_path / "work"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    status = {name: s["status"] for name, s in summary["steps"].items()}
+    assert status == {**dict.fromkeys(STEPS, "pass"), "compile": "skipped"}
+    assert summary["steps"]["compile"]["reason"] == "not selected (--only/--skip)"
+    assert summary["steps"]["resume"]["bitwise_equal"] is True  # CPU: resume is bitwise exact
+    assert summary["steps"]["resume"]["rng"]["cpu_restored"] is True
+    assert summary["steps"]["collectives"]["backend"] == "gloo"
+    assert summary["steps"]["bf16"]["median_tokens_per_s"] > 0
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
+    # Checkpoints are removed after the resume step; logs and metrics stay.
+    assert not list((tmp_path / "work" / "resume").glob("ckpt*"))
+    assert (tmp_path / "work" / "bf16" / "metrics.jsonl").is_file()
+
+
+def _python_without_pydantic(tmp_path: Path) -> Path:
+    """A venv that sees this one's packages (torch, numpy, PyYAML, pip) but not pydantic: what the H200
+    machine's Python looks like to the trainer."""
+    import sysconfig
+    import venv
+
+    venv.create(tmp_path / "venv", with_pip=False)
+    farm = tmp_path / "site"
+    farm.mkdir()
+    hidden = ("pydantic", "annotated_types", "typing_inspection")
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(hidden):
+            (farm / entry.name).symlink_to(entry)
+    purelib = next((tmp_path / "venv" / "lib").glob("python3*")) / "site-packages"
+    (purelib / "farm.pth").write_text(f"{farm}\n")
+    python = tmp_path / "venv" / "bin" / "python"
+    probe = subprocess.run([python, "-c", "import torch, yaml, pip; import pydantic"], capture_output=True,
+                           text=True)
+    assert "No module named 'pydantic'" in probe.stderr
+    return python
+
+
+def test_missing_module_installs_from_wheels_only_and_refuses_when_it_cannot(tmp_path):
+    python = _python_without_pydantic(tmp_path)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "pydantic-0.0.0-py3-none-any.whl").write_text("not a wheel")
+    site = tmp_path / "gpu-site"
+    result = run("--dry-run", "--out", str(tmp_path / "out"), "--wheels", str(wheels), PYTHON=str(python),
+                 GPU_CHECK_SITE=str(site))
+    assert result.returncode == 3, result.stderr
+    assert "missing modules: pydantic; installing 1 wheel(s) from" in result.stderr
+    assert "the trainer needs Python modules pydantic and they could not be installed" in result.stderr
+    assert "--fetch-wheels" in result.stderr
+    log = (tmp_path / "out" / "steps" / "setup.log").read_text()
+    assert "pydantic-0.0.0-py3-none-any.whl" in log  # pip was given the carried wheel, offline
+    assert not list(site.glob("torch*"))
