@@ -190,6 +190,10 @@ class MetricsConfig(_Section):
     """Progress lines on stderr every N steps (rank 0)."""
     peak_flops: float | None = Field(default=None, gt=0)
     """Dense bf16 peak FLOP/s of one device for MFU; empty means look it up by device name."""
+    profile_interval: int = Field(default=50, ge=1)
+    """Sample the communication time (torch.profiler) every N steps."""
+    profile_steps: int = Field(default=2, ge=0)
+    """Steps profiled per sample, from the run's second step on; 0 turns sampling off."""
 
 
 class DistributedConfig(_Section):
