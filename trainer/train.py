@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,10 +100,11 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOS
     flat, flat_targets = logits.flatten(0, 1), targets.flatten()
     if flat.dtype == torch.float32:
         return F.cross_entropy(flat, flat_targets)
+    # split(), not slicing: its backward concatenates the chunks' gradients into one tensor instead of
+    # a zero-filled full-size gradient per slice.
     total = torch.zeros((), dtype=torch.float32, device=flat.device)
-    for start in range(0, flat.shape[0], chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_chunk_nll_sum, flat[rows], flat_targets[rows], use_reentrant=False)
+    for chunk, chunk_targets in zip(flat.split(chunk_tokens), flat_targets.split(chunk_tokens), strict=True):
+        total = total + checkpoint(_chunk_nll_sum, chunk, chunk_targets, use_reentrant=False)
     return total / flat_targets.numel()
 
 
