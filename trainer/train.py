@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from trainer.checkpoint import CheckpointError, CheckpointManager
 from trainer.commtime import StepProfiler
@@ -83,29 +82,50 @@ def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfi
         group["lr"] = group["initial_lr"] * multiplier(scheduler.last_epoch)
 
 
-# Rows (tokens) of logits whose fp32 log-softmax exists at any one time.
+# Rows (tokens) of logits whose fp32 copy exists at any one time.
 LOSS_CHUNK_TOKENS = 8192
 
 
-def _chunk_nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, reduction="sum")
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of reduced-precision logits [N, vocab] in fp32, one chunk of rows at a time.
+    Forward also writes the gradient (softmax - one-hot) / N chunk by chunk into a tensor of the logits'
+    dtype, so neither pass ever holds more than one chunk in fp32 (Liger-Kernel's approach)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if logits.requires_grad else None
+        count = targets.numel()
+        for start in range(0, logits.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk, chunk_targets = logits[rows].float(), targets[rows]
+            log_probs = torch.log_softmax(chunk, dim=-1)
+            total += -log_probs.gather(1, chunk_targets[:, None]).sum()
+            if grad is not None:
+                probs = log_probs.exp_()
+                probs[torch.arange(probs.shape[0], device=probs.device), chunk_targets] -= 1.0
+                grad[rows] = probs.div_(count)
+        ctx.save_for_backward(grad)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        # In place: a second full-size copy is what this function exists to avoid (so the graph
+        # cannot be backpropagated twice, which training never does).
+        return grad.mul_(grad_output.to(grad.dtype)), None, None
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS
             ) -> torch.Tensor:
     """Mean token cross-entropy. fp32 logits go straight to F.cross_entropy. Reduced-precision logits
     are never upcast whole (an fp32 copy of batch x seq x vocab is the largest tensor of a step): the
-    loss runs over chunks of `chunk_tokens` rows, each upcast to fp32 inside a checkpoint, so forward
-    and backward hold one chunk's fp32 log-softmax at a time; the sum accumulates in fp32."""
+    loss and its gradient are computed over chunks of `chunk_tokens` rows in fp32, the sum
+    accumulates in fp32."""
     flat, flat_targets = logits.flatten(0, 1), targets.flatten()
     if flat.dtype == torch.float32:
         return F.cross_entropy(flat, flat_targets)
-    # split(), not slicing: its backward concatenates the chunks' gradients into one tensor instead of
-    # a zero-filled full-size gradient per slice.
-    total = torch.zeros((), dtype=torch.float32, device=flat.device)
-    for chunk, chunk_targets in zip(flat.split(chunk_tokens), flat_targets.split(chunk_tokens), strict=True):
-        total = total + checkpoint(_chunk_nll_sum, chunk, chunk_targets, use_reentrant=False)
-    return total / flat_targets.numel()
+    return _ChunkedCrossEntropy.apply(flat, flat_targets, chunk_tokens)
 
 
 def global_grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
 from tests.trainer.memory import PeakTracker, gathered_param_bytes, gradient_bytes, sharded_bytes
@@ -35,8 +34,9 @@ def measure(strategy: str, extra: list[str], runtime) -> dict:
     layout = derive_layout(cfg, world, local)
     model = build_parallel_model(cfg, runtime, layout)
     optimizer = build_optimizer(model, cfg.optim)
-    loader = BatchLoader(build_source(cfg.data, cfg.model.vocab_size, 0), micro_batch_size=layout.micro_batch_size,
-                         rank=runtime.rank, world_size=world, seed=0, device=runtime.device, prefetch=1)
+    loader = BatchLoader(build_source(cfg.data, cfg.model.vocab_size, 0),
+                         micro_batch_size=layout.micro_batch_size, rank=runtime.rank, world_size=world,
+                         seed=0, device=runtime.device, prefetch=1)
     try:
         # Forward and backward of the first step's two micro-batches under the tracker: FSDP2 allocates
         # its all-gather buffers then (later it resizes the same storages) and the optimizer step's
