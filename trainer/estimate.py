@@ -82,25 +82,28 @@ def _local_elements(shape: tuple[int, ...], group: int) -> int:
 
 def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: bool,
                      flash_attention: bool = True) -> int:
-    """Bytes of activations one micro-batch keeps for backward at its peak (start of backward)."""
+    """Bytes of activations one micro-batch holds at its peak: the start of backward without
+    checkpointing; with it, the larger of that moment (block inputs + loss) and recomputing one block."""
     m, e = cfg.model, DTYPE_BYTES[cfg.parallel.param_dtype]
     tokens = micro_batch_size * cfg.data.seq_len
     h, kv, f = m.dim, m.kv_heads * m.head_dim, m.ffn_dim
-    rmsnorm = 4 * 2 * h + e * h  # fp32 upcast and normalised copy, output in compute dtype
-    attention = (rmsnorm + e * (h + 2 * kv)  # q, k, v projections
-                 + 4 * (h + kv) + e * (h + kv)  # rotary: fp32 pairs of q and k, rotated q, k
-                 + e * h + 4 * m.n_heads  # attention output (and its log-sum-exp)
-                 + e * h)  # wo output
-    feed_forward = rmsnorm + e * (3 * f + f) + e * h  # w1, w3 out, silu, product; w2 out
-    per_token_block = attention + feed_forward + e * h  # + the block input
-    scores = 0 if flash_attention else 2 * 4 * m.n_heads * cfg.data.seq_len  # probabilities (+ mask)
-    per_block = tokens * (per_token_block + scores)
-    # With checkpointing: each block's input saved, one block recomputed at a time.
-    blocks = m.n_layers * tokens * e * h + per_block if checkpointing else m.n_layers * per_block
-    chunk = min(tokens, 8192)
-    logits = 2 * tokens * m.vocab_size * e + (3 * chunk * m.vocab_size * 4 if e != 4 else 0)
+    # Saved for backward, per token (RMSNorm and rotary embeddings compute in fp32):
+    rmsnorm = 4 * h + 2 * e * h  # fp32 input, normalised copy, output
+    attention = (rmsnorm + 4 * (h + kv) + e * (h + kv)  # q, k before (fp32) and after rotation
+                 + e * kv + e * h + 4 * m.n_heads)  # v; attention output and its log-sum-exp
+    feed_forward = rmsnorm + e * 4 * f  # w1 and w3 outputs, silu, their product
+    scores = 0 if flash_attention else 4 * m.n_heads * cfg.data.seq_len  # the probabilities
+    per_block = tokens * (attention + feed_forward + scores)
+    backward_transient = tokens * e * (3 * f + 2 * h)  # gradients flowing through one block
+    if e == 4:  # F.cross_entropy: the log-softmax saved, then its gradient
+        loss = 2 * tokens * m.vocab_size * 4
+    else:  # the chunked loss: the gradient in the compute dtype, one fp32 chunk
+        loss = tokens * m.vocab_size * e + 3 * min(tokens, 8192) * m.vocab_size * 4
     head = tokens * (e * h + rmsnorm)  # embedding output, final norm
-    return blocks + logits + head
+    if checkpointing:
+        inputs = m.n_layers * tokens * e * h
+        return inputs + head + max(loss, per_block + backward_transient)
+    return m.n_layers * per_block + head + loss + backward_transient
 
 
 def _memory(cfg: TrainConfig, world_size: int, ranks_per_node: int, flash_attention: bool

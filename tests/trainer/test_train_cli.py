@@ -54,7 +54,8 @@ def test_one_record_per_step_then_summary(tiny_run):
     assert summary["final_loss"] == steps[-1]["loss"] < 0.9 * steps[0]["loss"]
     assert summary["max_mem_bytes"] == max(r["max_mem_bytes"] for r in steps)
     assert summary["stopped"] == "completed" and summary["profiled_steps"] == 2
-    assert summary["grad_sync_share"] == pytest.approx((steps[1]["grad_sync_share"] + steps[2]["grad_sync_share"]) / 2)
+    shares = [steps[1]["grad_sync_share"], steps[2]["grad_sync_share"]]
+    assert summary["grad_sync_share"] == pytest.approx(sum(shares) / 2)
     # Throughput of the measured window (steps 2-10): its tokens over its wall time.
     assert summary["measured_steps"] == len(steps) - 1
     assert summary["tokens_per_s"] == pytest.approx(
