@@ -8,7 +8,9 @@ the same process group and taking turns step by step (so load from other work on
 both alike), the trainer's FSDP2 training step and a DistributedDataParallel step on the same model,
 data and micro-batches (DDP skips gradient all-reduce with no_sync() on all but the last
 micro-batch, as the trainer does with FSDP2). Then it times one process training the same global
-batch without any wrapper. It prints tokens/s for each, the FSDP2/DDP ratio (target >= 0.9x), and,
+batch without any wrapper. A second distributed run repeats FSDP2 vs DDP with --accumulation
+micro-batches per step (the sharded gradients reduce-scatter on every micro-batch, DDP all-reduces
+on the last). It prints tokens/s for each, the FSDP2/DDP ratios (target >= 0.9x), and,
 where the device's peak is known (A100/H100/H200), MFU by the PaLM formula; the default config on a
 GPU is the gpt-1b preset. The JSON result goes to --output.
 """
@@ -174,33 +176,46 @@ def launcher(args) -> int:
     common = ["--config", config, "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
               *[a for o in overrides for a in ("--set", o)]]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The accumulation case: the same micro-batches, `--accumulation` of them per optimizer step (the
+    # global batch grows to match), FSDP2 reduce-scattering every micro-batch, DDP under no_sync().
+    base = load_config(config, overrides).training
+    per_micro_step = base.global_batch_size // base.gradient_accumulation
+    accum = [f"training.gradient_accumulation={args.accumulation}",
+             f"training.global_batch_size={per_micro_step * args.accumulation}"]
+    accum_args = [a for o in accum for a in ("--set", o)]
+    distributed = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [("distributed", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 f"--nproc-per-node={nproc}"]),
+        runs = [("distributed", distributed, [], ""),
+                ("distributed", distributed, accum_args, "_accum"),
                 # One process gets every core the ranks shared.
-                ("single", [sys.executable])]
-        for mode, prefix in runs:
-            out = Path(tmp) / f"{mode}.json"
+                ("single", [sys.executable], [], "")]
+        for mode, prefix, extra, suffix in runs:
+            out = Path(tmp) / f"{mode}{suffix}.json"
             threads = "1" if mode == "distributed" or cuda else str(nproc)
-            print(f"running {mode} ({nproc if mode == 'distributed' else 1} process(es))...", file=sys.stderr)
+            print(f"running {mode}{suffix} ({nproc if mode == 'distributed' else 1} process(es))...",
+                  file=sys.stderr)
             proc = subprocess.run([*prefix, str(Path(__file__).resolve()), "--worker", "--mode", mode,
-                                   "--worker-output", str(out), *common],
+                                   "--worker-output", str(out), *common, *extra],
                                   env={**env, "OMP_NUM_THREADS": threads}, cwd=REPO)
             if proc.returncode:
-                print(f"error: the {mode} run failed (exit {proc.returncode}); see its output above",
+                print(f"error: the {mode}{suffix} run failed (exit {proc.returncode}); see its output above",
                       file=sys.stderr)
                 return proc.returncode
-            results.update(json.loads(out.read_text()))
+            results.update({name + suffix: r for name, r in json.loads(out.read_text()).items()})
     ratio = results["fsdp2"]["tokens_per_s"] / results["ddp"]["tokens_per_s"]
+    accum_ratio = results["fsdp2_accum"]["tokens_per_s"] / results["ddp_accum"]["tokens_per_s"]
     summary = {"config": config, "overrides": overrides, "nproc": nproc, "device": "cuda" if cuda else "cpu",
                "steps": args.steps, "runs": results, "fsdp2_over_ddp": ratio, "target_ratio": TARGET_RATIO,
-               "meets_target": ratio >= TARGET_RATIO}
+               "meets_target": ratio >= TARGET_RATIO, "accumulation": args.accumulation,
+               "fsdp2_over_ddp_accumulation": accum_ratio}
     for name, r in results.items():
         mfu = "" if r["mfu"] is None else f"  MFU {r['mfu']:.1%}"
         print(f"{name:15s} {r['tokens_per_s']:12,.0f} tokens/s  {r['step_time_s']:.3f} s/step{mfu}")
     verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
     print(f"FSDP2 / DDP = {ratio:.2f}x (target >= {TARGET_RATIO}x: {verdict})")
+    print(f"FSDP2 / DDP with accumulation {args.accumulation} = {accum_ratio:.2f}x (FSDP2 reduce-scatters "
+          "every micro-batch, DDP all-reduces on the last)")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"result: {args.output}")
@@ -213,6 +228,8 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run")
     parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--accumulation", type=int, default=4,
+                        help="micro-batches per step of the accumulation case (default 4)")
     parser.add_argument("--nproc", type=int, help="ranks for FSDP2 and DDP (default: GPUs, or 2 on CPU)")
     parser.add_argument("--output", default="bench-results/trainer_throughput.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

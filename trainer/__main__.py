@@ -10,11 +10,13 @@ taken for one of them.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_config, shipped_config_names
 from trainer.data import DataError
+from trainer.estimate import GPU_MEMORY, estimate, report
 from trainer.train import train
 
 
@@ -23,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fsdp-train", allow_abbrev=False,
         description="Packaged FSDP2 trainer (decoder-only transformer). Start it with torchrun.",
         epilog=f"shipped configs: {', '.join(shipped_config_names())}; keys and defaults: docs/trainer.md")
-    parser.add_argument("--config", required=True, help="YAML file or shipped config name")
+    parser.add_argument("--config", help="YAML file or shipped config name")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
     parser.add_argument("--steps", type=int, help="optimizer steps (training.steps)")
@@ -36,7 +38,28 @@ def build_parser() -> argparse.ArgumentParser:
                              "alone), start fresh (none), or from a given checkpoint")
     parser.add_argument("--print-sharding", action="store_true",
                         help="print every parameter's device, dtype, local and global shape")
+    estimate = parser.add_argument_group("memory estimate (no training, no GPU needed)")
+    estimate.add_argument("--estimate", metavar="CONFIG",
+                          help="print the per-rank memory of CONFIG (with --set overrides) and exit")
+    estimate.add_argument("--world-size", type=int, help="ranks (GPUs) to estimate for")
+    estimate.add_argument("--gpu", choices=sorted(GPU_MEMORY), help="check the fit on this GPU and find the "
+                          "smallest cluster (a multiple of 8 GPUs) that fits")
+    estimate.add_argument("--ranks-per-node", type=int, default=8,
+                          help="GPUs per node: HYBRID_SHARD's default shard group (default 8)")
+    estimate.add_argument("--json", action="store_true", help="the estimate as JSON")
     return parser
+
+
+def run_estimate(args, parser: argparse.ArgumentParser) -> int:
+    if not args.world_size or args.world_size < 1:
+        parser.error("--estimate needs --world-size N (N >= 1), e.g. --world-size 16")
+    cfg = load_config(args.estimate, args.overrides)
+    result = estimate(cfg, args.world_size, args.gpu, ranks_per_node=args.ranks_per_node)
+    if args.json:
+        print(json.dumps({"config": args.estimate, **result.as_dict()}, indent=1))
+    else:
+        print("\n".join(report(args.estimate, result)))
+    return 0
 
 
 FLAG_KEYS = {"steps": "training.steps", "seed": "training.seed", "checkpoint_dir": "checkpoint.dir",
@@ -45,7 +68,16 @@ FLAG_KEYS = {"steps": "training.steps", "seed": "training.seed", "checkpoint_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.estimate:
+        try:
+            return run_estimate(args, parser)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if not args.config:
+        parser.error("--config is required (or --estimate CONFIG --world-size N)")
     # Plain flags are shorthands for --set and win over it.
     flags = {key: getattr(args, flag) for flag, key in FLAG_KEYS.items() if getattr(args, flag) is not None}
     try:

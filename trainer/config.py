@@ -186,8 +186,10 @@ class DataConfig(_Section):
 class MetricsConfig(_Section):
     file: str | None = None
     """JSONL file: one object per optimizer step and a summary (rank 0 writes it)."""
-    log_interval: int = Field(default=1, ge=1)
-    """Progress lines on stderr every N steps (rank 0)."""
+    log_interval: int = Field(default=10, ge=1)
+    """Gather the buffered steps' losses over the ranks, write their records and a progress line
+    (rank 0) every N steps; also after the first and last step, a checkpoint and a stop. The only
+    device synchronisation of the loop, so not 1 at scale."""
     peak_flops: float | None = Field(default=None, gt=0)
     """Dense bf16 peak FLOP/s of one device for MFU; empty means look it up by device name."""
     prometheus_dir: str | None = None
@@ -199,6 +201,18 @@ class MetricsConfig(_Section):
     more after every step, so the smoke test's leak check can be shown to fail. 0: off."""
     fault_leak_rank: int = Field(default=0, ge=0)
     """The global rank that leaks when fault_leak_mib_per_step > 0."""
+    profile_interval: int = Field(default=50, ge=1)
+    """Sample the communication time (torch.profiler) every N steps."""
+    profile_steps: int = Field(default=2, ge=0)
+    """Steps profiled per sample, from the run's second step on; 0 turns sampling off."""
+
+    @model_validator(mode="after")
+    def _profile_window(self) -> MetricsConfig:
+        if self.profile_steps >= self.profile_interval:
+            raise ConfigError([Problem("metrics.profile_steps", self.profile_steps,
+                                       f"is not below metrics.profile_interval={self.profile_interval}",
+                                       "profile fewer steps than the interval (e.g. 2 of every 50)")])
+        return self
 
 
 class DistributedConfig(_Section):

@@ -1,12 +1,11 @@
 """Per-step metrics: one JSON object per optimizer step in `--metrics-file` (rank 0 writes it), a final
 `{"event": "summary"}` object, and a progress line on stderr.
 
-grad_sync_s is measured, not estimated. Every micro-batch but the last runs with gradient
-communication switched off (gradient accumulation), the last one with it on; all of them do the same
-forward/backward compute and the same parameter all-gathers. So the synchronising micro-batch's wall
-time minus the mean wall time of the others is the gradient communication that was not hidden behind
-compute (device-synchronised timings on CUDA). With gradient_accumulation = 1 there is no
-non-synchronising micro-batch to compare with and the value is null.
+Nothing here synchronises the device per step: losses and gradient norms stay device tensors until
+the log interval, where one all-gather brings every rank's values and peak memory to rank 0.
+grad_sync_s / grad_sync_share come from the collectives themselves on sampled steps
+(trainer/commtime.py: the gradient reduce-scatter/all-reduce time that no compute overlapped) and
+are null on the other steps.
 """
 
 from __future__ import annotations
@@ -16,17 +15,30 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from trainer.commtime import CommTime
 from trainer.config import MetricsConfig
 from trainer.distributed import Runtime
 
-# Dense bf16 tensor-core peak per device (fsdp-facts.md); MFU is null for anything else unless
-# metrics.peak_flops says.
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
+# Dense bf16 tensor-core peak per device variant, by the name CUDA reports (NVIDIA data sheets); more
+# specific names first. MFU is null for anything else unless metrics.peak_flops says.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100 NVL", 835e12),
+    ("H100 PCIE", 756e12),
+    ("H100", 989e12),  # SXM (e.g. "NVIDIA H100 80GB HBM3")
+    ("A100", 312e12),  # 40 GB and 80 GB, SXM and PCIe
+)
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    upper = name.upper()
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in upper), None)
 
 
 def device_peak_flops(device: torch.device, override: float | None) -> float | None:
@@ -34,8 +46,7 @@ def device_peak_flops(device: torch.device, override: float | None) -> float | N
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -47,18 +58,43 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def gather_loss_and_memory(loss: torch.Tensor, device: torch.device) -> tuple[list[float], list[int]]:
     """Every rank's loss and peak memory, in one all-gather."""
-    mine = torch.stack([loss.detach().double(), torch.tensor(float(peak_memory_bytes(device)),
-                                                             dtype=torch.float64, device=device)])
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    return [float(g[0]) for g in gathered], [int(g[1]) for g in gathered]
+    losses, mems = gather_steps([loss], device)
+    return [per_rank[0] for per_rank in losses], mems
+
+
+def gather_steps(losses: list[torch.Tensor], device: torch.device) -> tuple[list[list[float]], list[int]]:
+    """Every rank's losses of the buffered steps and its peak memory, in one all-gather and one
+    device-to-host copy: the only synchronisation of a logging interval."""
+    mine = torch.cat([torch.stack([loss.detach().double() for loss in losses]),
+                      torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)])
+    gathered = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)
+    dist.all_gather_into_tensor(gathered, mine)
+    rows = gathered.view(dist.get_world_size(), -1).tolist()
+    return [row[:-1] for row in rows], [int(row[-1]) for row in rows]
 
 
 def stderr_log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+@dataclass
+class _Pending:
+    step: int
+    loss: torch.Tensor  # this rank's mean micro-batch loss, still on the device
+    grad_norm: torch.Tensor
+    lr: float
+    skipped: bool
+    comm: CommTime | None
+    step_time_s: float | None  # device-synchronised, profiled steps only
+
+
 class MetricsLogger:
+    """Buffers each step's loss and gradient norm as device tensors and, every `metrics.log_interval`
+    steps (and after the first step, the last one, a checkpoint or a stop), gathers them over the ranks
+    in one collective, then writes one record per buffered step. tokens/s is the wall time between two
+    such flushes divided into the tokens of the steps between them (torchtitan's way): no
+    per-step device synchronisation."""
+
     def __init__(self, cfg: MetricsConfig, runtime: Runtime, *, total_steps: int, tokens_per_step: int,
                  samples_per_step: int, flops_per_token: int, run_info: dict, hosts: list[str],
                  log: Callable[[str], None] = stderr_log):
@@ -70,7 +106,15 @@ class MetricsLogger:
                      "ranks_per_node": runtime.local_world_size, "device": runtime.device.type, **run_info}
         self.hosts = hosts  # per rank; in the summary only, to keep step lines short at scale
         self.records: list[dict] = []
+        self.pending: list[_Pending] = []
         self.started = time.perf_counter()
+        self.last_flush = self.started
+        # The measured window: from the end of the run's first step (lazy initialisation, allocator
+        # warm-up, compilation) to the last flush, less the profiler's own work.
+        self.window_start: float | None = None
+        self.window_steps = 0
+        self.window_wall = 0.0
+        self.overhead_s = 0.0
         self._file = None
         if runtime.is_main and cfg.file:
             Path(cfg.file).parent.mkdir(parents=True, exist_ok=True)
@@ -82,41 +126,97 @@ class MetricsLogger:
             self._file.write(json.dumps(obj) + "\n")
             self._file.flush()
 
-    def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
-                 grad_sync_s: float | None, mem_per_rank: list[int], skipped: bool = False) -> dict:
+    def start(self) -> None:
+        """Call just before the first step: its wall time starts here."""
+        self.last_flush = time.perf_counter()
+
+    def should_profile(self, step: int, first_step: int) -> bool:
+        """Sampled steps: the 2nd..(1+profile_steps)th of the run, then the same every profile_interval."""
+        offset = (step - first_step) % self.cfg.profile_interval
+        return self.cfg.profile_steps > 0 and 1 <= offset <= self.cfg.profile_steps
+
+    def log_step(self, *, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
+                 skipped: bool = False, comm: CommTime | None = None, step_time_s: float | None = None,
+                 overhead_s: float = 0.0, flush: bool = False) -> list[dict]:
+        """`overhead_s`: wall time that was not training (the profiler's own work on a sampled step),
+        left out of the throughput. Returns the records written (empty between log intervals)."""
+        self.overhead_s += overhead_s
+        self.pending.append(_Pending(step, loss, grad_norm, lr, skipped, comm, step_time_s))
+        if (flush or not self.records or step % self.cfg.log_interval == 0 or step == self.total_steps):
+            return self.flush()
+        return []
+
+    def flush(self) -> list[dict]:
+        """Collective: every rank calls it at the same steps."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        values = [p.loss for p in pending] + [p.grad_norm.reshape(()) for p in pending]
+        per_rank, mems = gather_steps(values, self.runtime.device)
+        now = time.perf_counter()
+        wall, n = now - self.last_flush - self.overhead_s, len(pending)
+        self.last_flush, self.overhead_s = now, 0.0
+        if self.window_start is None:
+            self.window_start = now
+        else:
+            self.window_steps += n
+            self.window_wall += wall
+        step_time_s = wall / n
         tokens_per_s = self.tokens_per_step / step_time_s
         mfu = None
         if self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / self.runtime.world_size / self.peak_flops
-        record = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens_per_s, "samples_per_s": self.samples_per_step / step_time_s,
-            "step_time_s": step_time_s, "grad_sync_s": grad_sync_s,
-            "grad_sync_share": None if grad_sync_s is None else grad_sync_s / step_time_s,
-            "mfu": mfu, "max_mem_bytes": max(mem_per_rank), "mem_bytes_per_rank": mem_per_rank,
-            "mem_max_min_ratio": max(mem_per_rank) / max(1, min(mem_per_rank)),
-            "skipped": skipped, **self.info,
-        }
-        self.records.append(record)
-        self._write(record)
-        if self.runtime.is_main and (step % self.cfg.log_interval == 0 or step == self.total_steps):
-            sync = "-" if grad_sync_s is None else f"{record['grad_sync_share']:.0%}"
-            self.log(f"step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.2e} grad_norm {grad_norm:.3f} "
-                     f"{tokens_per_s:,.0f} tok/s step {step_time_s:.3f}s grad sync {sync} "
-                     f"mem {record['max_mem_bytes'] / 2**30:.2f} GiB"
+        out = []
+        for i, p in enumerate(pending):
+            losses = [row[i] for row in per_rank]
+            comm, own_time = p.comm, p.step_time_s or step_time_s
+            record = {
+                "step": p.step, "loss": sum(losses) / len(losses), "lr": p.lr,
+                "grad_norm": per_rank[0][n + i],
+                "tokens_per_s": tokens_per_s, "samples_per_s": self.samples_per_step / step_time_s,
+                "step_time_s": step_time_s,
+                # Gradient reduce-scatter/all-reduce time no compute overlapped (profiled steps only).
+                "grad_sync_s": None if comm is None else comm.gradient_exposed_s,
+                "grad_sync_share": None if comm is None else comm.gradient_exposed_s / own_time,
+                "comm_s": None if comm is None else comm.total_s,
+                "comm_exposed_s": None if comm is None else comm.exposed_s,
+                "comm_exposed_share": None if comm is None else comm.exposed_s / own_time,
+                "profiled_step_time_s": p.step_time_s if comm is not None else None,
+                "mfu": mfu, "max_mem_bytes": max(mems), "mem_bytes_per_rank": mems,
+                "mem_max_min_ratio": max(mems) / max(1, min(mems)),
+                "skipped": p.skipped, **self.info,
+            }
+            self.records.append(record)
+            self._write(record)
+            out.append(record)
+        if self.runtime.is_main:
+            r = out[-1]
+            sync = "-" if r["grad_sync_share"] is None else f"{r['grad_sync_share']:.0%}"
+            self.log(f"step {r['step']}/{self.total_steps} loss {r['loss']:.4f} lr {r['lr']:.2e} "
+                     f"grad_norm {r['grad_norm']:.3f} {tokens_per_s:,.0f} tok/s step {step_time_s:.3f}s "
+                     f"grad sync {sync} mem {r['max_mem_bytes'] / 2**30:.2f} GiB"
                      + ("" if mfu is None else f" MFU {mfu:.1%}")
-                     + (" (skipped: inf/nan)" if skipped else ""))
-        return record
+                     + (" (skipped: inf/nan)" if any(p.skipped for p in pending) else ""))
+        return out
 
-    def close(self) -> dict:
-        """Write and return the summary: steady-state means exclude the first step (lazy init,
-        allocator warm-up, compilation)."""
-        steady = self.records[1:] or self.records
+    def close(self, *, stopped: str = "completed", signal_name: str | None = None) -> dict:
+        """Flush, then write and return the summary. Throughput is the measured window's total tokens
+        over its wall time (the steps after the first); with a single step, that step's."""
+        self.flush()
+        profiled = [r for r in self.records[1:] or self.records if r["grad_sync_s"] is not None]
 
-        def mean(key: str) -> float | None:
-            values = [r[key] for r in steady if r[key] is not None]
+        def mean(key: str, rows: list[dict]) -> float | None:
+            values = [r[key] for r in rows if r[key] is not None]
             return sum(values) / len(values) if values else None
 
+        if self.window_steps and self.window_wall > 0:
+            step_time_s = self.window_wall / self.window_steps
+        else:
+            step_time_s = self.records[0]["step_time_s"] if self.records else None
+        tokens_per_s = self.tokens_per_step / step_time_s if step_time_s else None
+        mfu = None
+        if self.peak_flops and tokens_per_s:
+            mfu = self.flops_per_token * tokens_per_s / self.runtime.world_size / self.peak_flops
         summary = {
             "event": "summary", "steps": len(self.records),
             "first_step": self.records[0]["step"] if self.records else None,
@@ -124,12 +224,18 @@ class MetricsLogger:
             "first_loss": self.records[0]["loss"] if self.records else None,
             "final_loss": self.records[-1]["loss"] if self.records else None,
             "min_loss": min((r["loss"] for r in self.records), default=None),
-            "tokens_per_s": mean("tokens_per_s"), "samples_per_s": mean("samples_per_s"),
-            "step_time_s": mean("step_time_s"), "grad_sync_s": mean("grad_sync_s"),
-            "grad_sync_share": mean("grad_sync_share"), "mfu": mean("mfu"),
+            "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.samples_per_step / step_time_s if step_time_s else None,
+            "step_time_s": step_time_s, "measured_steps": self.window_steps,
+            "measured_wall_s": self.window_wall if self.window_steps else None,
+            "grad_sync_s": mean("grad_sync_s", profiled),
+            "grad_sync_share": mean("grad_sync_share", profiled),
+            "comm_exposed_share": mean("comm_exposed_share", profiled), "profiled_steps": len(profiled),
+            "mfu": mfu,
             "max_mem_bytes": max((r["max_mem_bytes"] for r in self.records), default=None),
             "mem_max_min_ratio": max((r["mem_max_min_ratio"] for r in self.records), default=None),
             "skipped_steps": sum(r["skipped"] for r in self.records),
+            "stopped": stopped, "signal": signal_name,
             "wall_time_s": time.perf_counter() - self.started, **self.info, "rank_hosts": self.hosts,
         }
         self._write(summary)

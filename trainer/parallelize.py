@@ -36,7 +36,8 @@ def build_mesh(layout: Layout, strategy: Strategy, device_type: str) -> DeviceMe
 
 
 def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, device_type: str) -> None:
-    """Shard each block, then the root (embeddings, final norm, output); all still on meta."""
+    """Shard the embedding, each block, the final norm + output projection, then the (empty) root;
+    all still on the meta device."""
     mp_policy = MixedPrecisionPolicy(
         param_dtype=None if cfg.param_dtype == "fp32" else DTYPES[cfg.param_dtype],
         reduce_dtype=DTYPES[cfg.reduce_dtype])
@@ -45,27 +46,34 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, devic
     # Only FULL_SHARD and HYBRID_SHARD free gathered parameters between forward and backward;
     # NO_SHARD has nothing to gather.
     reshard = cfg.strategy in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD)
+    common = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    # Units as torchtitan's distributed/fsdp.py groups them: the embedding alone (its gathered
+    # vocab x dim table is freed after forward like a block's parameters), each block, then the final
+    # norm with the output projection. That last unit runs first in backward, so keeping it gathered
+    # from forward to backward costs no memory peak and saves an all-gather; the root then owns no
+    # parameters of its own.
+    fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
     for block in model.layers:
         block.activation_checkpointing = cfg.activation_checkpointing
         if cfg.compile:
             block.compile()
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
-                    offload_policy=offload)
-    # The root's parameters (output projection first) are needed again as soon as backward starts:
-    # keeping them gathered saves one all-gather per step.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload)
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
 
 
 def set_gradient_sync(model: FSDPModule, strategy: Strategy, sync: bool) -> None:
-    """Gradient accumulation: communicate gradients only on the last micro-batch.
+    """Gradient accumulation: what the non-final micro-batches (sync=False) skip.
 
-    Under HYBRID_SHARD the reduce-scatter inside the shard group (fast, intra-node) still runs every
-    micro-batch so accumulated gradients stay sharded; only the all-reduce across replicas (slow,
-    inter-node) waits for the last micro-batch. Other strategies skip all gradient communication on
-    the earlier micro-batches."""
+    FULL_SHARD / SHARD_GRAD_OP: nothing. Skipping the reduce-scatter would leave every rank holding
+    full-size (unsharded) gradients until the last micro-batch, defeating the sharding; torchtitan
+    reduce-scatters every micro-batch too. HYBRID_SHARD: the reduce-scatter inside the shard group
+    (fast, intra-node) runs every micro-batch so gradients stay sharded; only the all-reduce across
+    replicas (slow, inter-node) waits for the last micro-batch. NO_SHARD: gradients are full-size
+    anyway, so the whole all-reduce waits for the last micro-batch (DDP's no_sync)."""
     if strategy is Strategy.HYBRID_SHARD:
         model.set_requires_all_reduce(sync)
-    else:
+    elif strategy is Strategy.NO_SHARD:
         model.set_requires_gradient_sync(sync)
 
 

@@ -76,11 +76,17 @@ class RankMetrics:
                                        "empty")])
         return cls(cfg, runtime) if directory or cfg.fault_leak_mib_per_step else None
 
-    def update(self, record: dict[str, Any]) -> None:
-        """After a step: `record` is MetricsLogger.log_step's line (global figures, this rank's step time)."""
+    def after_step(self, records: list[dict[str, Any]]) -> None:
+        """After every step, with the records MetricsLogger.log_step wrote for it (none between log
+        intervals: the file is rewritten at metrics.log_interval, from the newest record)."""
         if self.cfg.fault_leak_mib_per_step and self.runtime.rank == self.cfg.fault_leak_rank:
             # bytes(...) pages are touched, so the resident set really grows.
             self._leaked.append(bytearray(b"\1" * int(self.cfg.fault_leak_mib_per_step * MIB)))
+        if records:
+            self.update(records[-1])
+
+    def update(self, record: dict[str, Any]) -> None:
+        """`record` is one of MetricsLogger.log_step's lines (global figures, this rank's memory)."""
         if self.path is None:
             return
         device = self.runtime.device

@@ -1,15 +1,18 @@
 """The training loop: build, shard, materialise, resume, then step until done.
 
-Each optimizer step runs `gradient_accumulation` micro-batches; only the last one communicates
-gradients (see parallelize.set_gradient_sync). The loss is averaged over micro-batches and ranks,
-the gradient norm is the global one (clipped), and metrics go out once per optimizer step.
+Each optimizer step runs `gradient_accumulation` micro-batches; sharded strategies reduce-scatter
+every micro-batch (gradients stay sharded), HYBRID_SHARD and NO_SHARD defer the all-reduce across
+replicas to the last one (see parallelize.set_gradient_sync). The loss is averaged over micro-batches
+and ranks, the gradient norm is the global one (clipped). Nothing synchronises the device per step:
+metrics are gathered at the log interval (trainer/metrics.py), communication is profiled on sampled
+steps (trainer/commtime.py). SIGUSR1/SIGTERM stop the run at a step boundary agreed by all ranks, after
+a blocking, verified checkpoint (trainer/preemption.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,13 +22,15 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import CheckpointError, CheckpointManager
+from trainer.commtime import StepProfiler
 from trainer.config import Layout, OptimConfig, Strategy, TrainConfig, derive_layout
 from trainer.data import BatchLoader, build_source
 from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdown
-from trainer.metrics import MetricsLogger, gather_loss_and_memory, stderr_log
+from trainer.metrics import MetricsLogger, stderr_log
 from trainer.model import Transformer, build_model
 from trainer.parallelize import build_mesh, parallelize, set_gradient_sync, sharding_report
+from trainer.preemption import StopSignal
 from trainer.prometheus import RankMetrics
 
 
@@ -51,20 +56,77 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
         lr_multiplier, warmup=cfg.warmup_steps, total=total_steps, min_ratio=cfg.min_lr_ratio))
 
 
-def follow_schedule(optimizer: torch.optim.Optimizer, scheduler) -> None:
-    """After a resume, set the learning rate the schedule gives for the restored step: the optimizer
-    state carries the previous run's last value, which differs when --steps (the cosine's end) changed."""
+def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig,
+                    log: Callable[[str], None]) -> None:
+    """After a resume: the restored optimizer and scheduler carry the previous run's hyperparameters.
+    Apply this run's optim.* values (logging each change), then set the learning rate the schedule
+    gives for the restored step (it also differs when --steps, the cosine's end, changed)."""
+    wanted = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    old_lr = optimizer.param_groups[0].get("initial_lr", optimizer.param_groups[0]["lr"])
+    if old_lr != cfg.lr:
+        log(f"resume: optim.lr changed {old_lr:g} -> {cfg.lr:g}; the schedule continues with the new peak")
+    for key in ("betas", "eps"):
+        old = optimizer.param_groups[0][key]
+        old = tuple(old) if isinstance(old, (list, tuple)) else old
+        if old != wanted[key]:
+            log(f"resume: optim.{key} changed {old} -> {wanted[key]}")
+    old_wd = optimizer.param_groups[0]["weight_decay"]
+    if old_wd != cfg.weight_decay:
+        log(f"resume: optim.weight_decay changed {old_wd:g} -> {cfg.weight_decay:g}")
+    for index, group in enumerate(optimizer.param_groups):
+        group["initial_lr"] = cfg.lr
+        group["betas"], group["eps"] = wanted["betas"], cfg.eps
+        # Group 0 decays (matrices), group 1 does not (norm gains): see build_optimizer.
+        group["weight_decay"] = cfg.weight_decay if index == 0 else 0.0
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
     for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
         group["lr"] = group["initial_lr"] * multiplier(scheduler.last_epoch)
 
 
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+# Rows (tokens) of logits whose fp32 copy exists at any one time.
+LOSS_CHUNK_TOKENS = 8192
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of reduced-precision logits [N, vocab] in fp32, one chunk of rows at a time.
+    Forward also writes the gradient (softmax - one-hot) / N chunk by chunk into a tensor of the logits'
+    dtype, so neither pass ever holds more than one chunk in fp32 (Liger-Kernel's approach)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        grad = torch.empty_like(logits) if logits.requires_grad else None
+        count = targets.numel()
+        for start in range(0, logits.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk, chunk_targets = logits[rows].float(), targets[rows]
+            log_probs = torch.log_softmax(chunk, dim=-1)
+            total += -log_probs.gather(1, chunk_targets[:, None]).sum()
+            if grad is not None:
+                probs = log_probs.exp_()
+                probs[torch.arange(probs.shape[0], device=probs.device), chunk_targets] -= 1.0
+                grad[rows] = probs.div_(count)
+        ctx.save_for_backward(grad)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        # In place: a second full-size copy is what this function exists to avoid (so the graph
+        # cannot be backpropagated twice, which training never does).
+        return grad.mul_(grad_output.to(grad.dtype)), None, None
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS
+            ) -> torch.Tensor:
+    """Mean token cross-entropy. fp32 logits go straight to F.cross_entropy. Reduced-precision logits
+    are never upcast whole (an fp32 copy of batch x seq x vocab is the largest tensor of a step): the
+    loss and its gradient are computed over chunks of `chunk_tokens` rows in fp32, the sum
+    accumulates in fp32."""
+    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
+    if flat.dtype == torch.float32:
+        return F.cross_entropy(flat, flat_targets)
+    return _ChunkedCrossEntropy.apply(flat, flat_targets, chunk_tokens)
 
 
 def global_grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
@@ -75,36 +137,34 @@ def global_grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) ->
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # this rank's mean micro-batch loss
-    grad_norm: float
+    loss: torch.Tensor  # this rank's mean micro-batch loss (on the device)
+    grad_norm: torch.Tensor  # global, before clipping (on the device)
     lr: float
-    step_time_s: float
-    grad_sync_s: float | None
     skipped: bool
 
 
 def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, strategy: Strategy,
-               accumulation: int, grad_clip: float | None, scaler, device: torch.device) -> StepResult:
-    started = time.perf_counter()
-    micro_times = []
+               accumulation: int, grad_clip: float | None, scaler, device: torch.device,
+               before_update: Callable[[], None] | None = None) -> StepResult:
+    """One optimizer step. Returns device tensors: no host synchronisation (except the fp16 loss
+    scaler's own check of whether it skipped the step). `before_update` runs before the parameters
+    change (an async checkpoint's staging copy must be complete by then)."""
     loss_sum = torch.zeros((), device=device)
     for micro in range(accumulation):
-        is_last = micro == accumulation - 1
-        set_gradient_sync(model, strategy, is_last)
+        set_gradient_sync(model, strategy, micro == accumulation - 1)
         inputs, targets = loader.next()
-        micro_started = time.perf_counter()
         loss = loss_fn(model(inputs), targets)
         scaled = loss / accumulation
         (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += loss.detach()
-        _synchronize(device)
-        micro_times.append(time.perf_counter() - micro_started)
     if scaler:
         # Found-inf flags of sharded gradients are reduced across ranks by DTensor, so every rank
         # skips the same steps.
         scaler.unscale_(optimizer)
     grad_norm = global_grad_norm_and_clip(model, grad_clip)
     lr = optimizer.param_groups[0]["lr"]
+    if before_update is not None:
+        before_update()
     if scaler:
         scale_before = scaler.get_scale()
         scaler.step(optimizer)
@@ -115,13 +175,7 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
         skipped = False
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    _synchronize(device)
-    grad_sync_s = None
-    if accumulation > 1:
-        compute_only = sum(micro_times[:-1]) / (accumulation - 1)
-        grad_sync_s = max(0.0, micro_times[-1] - compute_only)
-    return StepResult(loss_sum / accumulation, float(grad_norm), lr, time.perf_counter() - started,
-                      grad_sync_s, skipped)
+    return StepResult(loss_sum / accumulation, grad_norm.detach(), lr, skipped)
 
 
 def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout) -> Transformer:
@@ -160,7 +214,7 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
                                     log=main_log)
     start = checkpoints.maybe_resume(model, optimizer, extra)
     if start:
-        follow_schedule(optimizer, scheduler)
+        follow_schedule(optimizer, scheduler, cfg.optim, main_log)
     hosts = [None] * runtime.world_size
     dist.all_gather_object(hosts, runtime.hostname)
     metrics = MetricsLogger(
@@ -171,31 +225,68 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
         run_info={"strategy": str(cfg.parallel.strategy), "params": cfg.model.num_params}, hosts=hosts,
         log=main_log)
     rank_metrics = RankMetrics.create(cfg.metrics, runtime)  # Prometheus textfile (docs/monitoring.md)
+    stop = StopSignal()
+    stopped_by = None
+    step_kwargs = {"strategy": cfg.parallel.strategy, "accumulation": cfg.training.gradient_accumulation,
+                   "grad_clip": cfg.optim.grad_clip, "scaler": scaler, "device": runtime.device,
+                   "before_update": checkpoints.wait_for_staging}
     try:
+        metrics.start()
         for step in range(start + 1, cfg.training.steps + 1):
-            result = train_step(model, optimizer, scheduler, loader, strategy=cfg.parallel.strategy,
-                                accumulation=cfg.training.gradient_accumulation,
-                                grad_clip=cfg.optim.grad_clip, scaler=scaler, device=runtime.device)
-            losses, mems = gather_loss_and_memory(result.loss, runtime.device)
-            record = metrics.log_step(step=step, loss=sum(losses) / len(losses), lr=result.lr,
-                                      grad_norm=result.grad_norm, step_time_s=result.step_time_s,
-                                      grad_sync_s=result.grad_sync_s, mem_per_rank=mems,
-                                      skipped=result.skipped)
+            comm, profiled_time, overhead = None, None, 0.0
+            if metrics.should_profile(step, start + 1):
+                with StepProfiler(runtime.device) as profiler:
+                    result = train_step(model, optimizer, scheduler, loader, **step_kwargs)
+                comm, profiled_time, overhead = profiler.result, profiler.step_time_s, profiler.overhead_s
+            else:
+                result = train_step(model, optimizer, scheduler, loader, **step_kwargs)
+            stopped_by = stop.agreed()
+            final = step == cfg.training.steps
+            saving = checkpoints.should_save(step, final=final)
+            records = metrics.log_step(step=step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+                                       skipped=result.skipped, comm=comm, step_time_s=profiled_time,
+                                       overhead_s=overhead, flush=saving or stopped_by is not None)
             if rank_metrics:
-                rank_metrics.update(record)
-            if checkpoints.should_save(step, final=step == cfg.training.steps):
+                rank_metrics.after_step(records)
+            if stopped_by is not None:
+                _stop_for_signal(stopped_by, step, checkpoints, model, optimizer, extra, main_log)
+                break
+            if saving:
                 checkpoints.save(step, model, optimizer, extra)
         checkpoints.wait()
     finally:
+        stop.restore()
         loader.close()
         if rank_metrics:
             rank_metrics.close()
-    summary = metrics.close()
+    summary = metrics.close(stopped="signal" if stopped_by else "completed", signal_name=stopped_by)
     if summary["steps"]:
         main_log(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-                 f"{summary['final_loss']:.4f}, {summary['tokens_per_s'] or 0:,.0f} tok/s")
+                 f"{summary['final_loss']:.4f}, {summary['tokens_per_s'] or 0:,.0f} tok/s"
+                 + (f"; stopped for {stopped_by}" if stopped_by else ""))
     dist.barrier()
     return summary
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stop_for_signal(signal_name: str, step: int, checkpoints: CheckpointManager, model, optimizer,
+                     extra: dict, log: Callable[[str], None]) -> None:
+    """All ranks, at the same step: wait for an in-flight async save, save this step blocking, verify it."""
+    log(f"stop: {signal_name} received; step {step} finished, saving a checkpoint before exiting")
+    if not checkpoints.enabled:
+        log("stop: WARNING no checkpoint.dir, nothing saved; the run restarts from its last checkpoint")
+        return
+    checkpoints.wait()
+    checkpoints.save(step, model, optimizer, extra, blocking=True)
+    checkpoints.wait()
+    problems = checkpoints.verify_saved(step)
+    if problems:
+        raise CheckpointError(f"stop: the checkpoint of step {step} does not verify: " + "; ".join(problems))
+    log(f"stop: checkpoint of step {step} saved and verified; exiting")
 
 
 def train(cfg: TrainConfig, *, print_sharding: bool = False) -> dict:

@@ -33,8 +33,9 @@ def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, i
         if checkpoint_dir else []
     return ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), *checkpointing,
             "--metrics-file", metrics, "--resume", resume, "--seed", "0",
-            # Per-rank metrics for Prometheus (the monitoring role's textfile directory).
-            "--set", f"metrics.prometheus_dir={PROMETHEUS_TEXTFILE_DIR}"]
+            # Per-rank metrics for Prometheus (the monitoring role's textfile directory), every step:
+            # the monitoring check fits memory against the step (a gather per step is fine in a check).
+            "--set", f"metrics.prometheus_dir={PROMETHEUS_TEXTFILE_DIR}", "--set", "metrics.log_interval=1"]
 
 
 def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[dict[str, Any]]:

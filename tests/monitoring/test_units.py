@@ -120,10 +120,10 @@ def test_the_fault_injection_knob_grows_only_the_chosen_ranks_memory():
     leaking, healthy = RankMetrics.create(cfg, _runtime(1)), RankMetrics.create(cfg, _runtime(0))
     before = current_rss_bytes()
     for step in range(1, 5):
-        healthy.update(_record(step))
+        healthy.after_step([_record(step)])
     assert current_rss_bytes() - before < 8 * MIB
     for step in range(1, 5):
-        leaking.update(_record(step))
+        leaking.after_step([_record(step)])
     assert current_rss_bytes() - before >= 4 * 15 * MIB
     leaking.close()
 

@@ -41,7 +41,7 @@ def test_resume_with_more_steps_follows_the_new_schedule():
     scheduler.load_state_dict(saved_scheduler)
     # The restored optimizer state still says lr 0 (the old run's end); the schedule for 10 steps says
     # otherwise for step 7.
-    follow_schedule(optimizer, scheduler)
+    follow_schedule(optimizer, scheduler, OptimConfig(lr=1.0, warmup_steps=2, min_lr_ratio=0.0), print)
     expected = lr_multiplier(6, warmup=2, total=10, min_ratio=0.0)
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([expected, expected])
     assert expected > 0.1

@@ -40,15 +40,26 @@ def test_one_record_per_step_then_summary(tiny_run):
         tokens = cfg.training.global_batch_size * cfg.data.seq_len
         assert r["tokens_per_s"] == pytest.approx(tokens / r["step_time_s"])
         assert r["samples_per_s"] == pytest.approx(cfg.training.global_batch_size / r["step_time_s"])
-        # Accumulation 2: the synchronising micro-batch is compared with the other one.
-        assert 0 <= r["grad_sync_s"] <= r["step_time_s"]
-        assert r["grad_sync_share"] == pytest.approx(r["grad_sync_s"] / r["step_time_s"])
+        # Communication is profiled on the run's 2nd and 3rd steps (metrics.profile_steps=2).
+        if r["step"] in (2, 3):
+            assert 0 <= r["grad_sync_s"] <= r["comm_exposed_s"] <= r["comm_s"]
+            assert r["grad_sync_s"] <= r["profiled_step_time_s"]
+            assert r["grad_sync_share"] == pytest.approx(r["grad_sync_s"] / r["profiled_step_time_s"])
+        else:
+            assert r["grad_sync_s"] is None and r["grad_sync_share"] is None
         assert r["mfu"] is None  # no known peak for a CPU
     assert steps[0]["lr"] == pytest.approx(cfg.optim.lr / cfg.optim.warmup_steps)
     assert max(r["lr"] for r in steps) == pytest.approx(cfg.optim.lr)
     assert summary["event"] == "summary" and summary["steps"] == len(steps)
     assert summary["final_loss"] == steps[-1]["loss"] < 0.9 * steps[0]["loss"]
     assert summary["max_mem_bytes"] == max(r["max_mem_bytes"] for r in steps)
+    assert summary["stopped"] == "completed" and summary["profiled_steps"] == 2
+    shares = [steps[1]["grad_sync_share"], steps[2]["grad_sync_share"]]
+    assert summary["grad_sync_share"] == pytest.approx(sum(shares) / 2)
+    # Throughput of the measured window (steps 2-10): its tokens over its wall time.
+    assert summary["measured_steps"] == len(steps) - 1
+    assert summary["tokens_per_s"] == pytest.approx(
+        (len(steps) - 1) * cfg.training.global_batch_size * cfg.data.seq_len / summary["measured_wall_s"])
     assert len(summary["rank_hosts"]) == 2 and summary["rank_hosts"][0] == summary["rank_hosts"][1]
 
 

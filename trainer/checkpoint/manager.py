@@ -92,6 +92,10 @@ class CheckpointManager:
         self._local_work: threading.Thread | None = None
         self._errors: list[str] = []
         self._s3: S3Location | None = None
+        self._stager: Any = False  # built on the first async save
+        self._staging: Any = None  # future of the in-flight save's copy
+        self.staging = "none"
+        self.last_blocking_s: float | None = None
         if not self.enabled:
             return
         self._group = _Group()
@@ -146,8 +150,31 @@ class CheckpointManager:
             return False
         return final or step % self.cfg.interval == 0
 
+    def _make_stager(self) -> Any:
+        """Staging for async saves: on CUDA, a copy of the state into pinned host memory on a side
+        stream in a background thread (torchtitan's and DCP's zero-overhead checkpointing), so
+        training blocks only for launching it and resumes before the copy ends; the next optimizer
+        step waits for it (`wait_for_staging`). Without an accelerator pinned memory and side streams
+        do not exist: the state is copied synchronously into ordinary host memory (DCP's default)."""
+        if not torch.cuda.is_available():
+            self.staging = "synchronous copy to host memory (no accelerator: no pinned memory)"
+            return None
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.staging = "background copy to pinned host memory"
+        return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                            use_async_staging=True, use_non_blocking_copy=True))
+
+    def wait_for_staging(self) -> None:
+        """Before parameters change (the optimizer step): the in-flight save's copy must be complete."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: dict[str, Any]) -> None:
+             extra: dict[str, Any], *, blocking: bool = False) -> None:
+        """Save `step`. Async (cfg.async_save) unless `blocking`: then the save is committed when this
+        returns (a stop on a signal must not exit before its checkpoint exists)."""
         if not self.enabled:
             return
         waited = time.monotonic()
@@ -175,10 +202,17 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         self._last_saved_step = step
-        if self.cfg.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
-                                    no_dist=not self._group.distributed)
+        if self.cfg.async_save and not blocking:
+            if self._stager is False:
+                self._stager = self._make_stager()
+            response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
+                                      no_dist=not self._group.distributed, async_stager=self._stager)
+            if hasattr(response, "upload_completion"):  # staged in the background
+                self._staging, future = response.staging_completion, response.upload_completion
+            else:
+                future = response
             blocking = time.monotonic() - started
+            self.last_blocking_s = blocking
             self._collective_work = self._start(self._finish_save, step, tmp, final, started, blocking,
                                                 future)
         else:
@@ -189,6 +223,7 @@ class CheckpointManager:
             except (Exception, CheckpointException) as exc:  # every rank gets here: DCP gathers errors
                 failure = f"writing its shards failed: {_first_line(exc)}"
             blocking = time.monotonic() - started
+            self.last_blocking_s = blocking
             committed = self._commit(step, tmp, final, started, blocking, failure)
             if committed is not None:
                 self._local_work = self._start(self._after_commit, committed)
@@ -339,8 +374,14 @@ class CheckpointManager:
         apply_retention(self.mirror_root, keep_last=self.cfg.keep_last, max_age_days=self.cfg.max_age_days,
                         newest_verified=target, log=self.log)
 
+    def verify_saved(self, step: int) -> list[str]:
+        """Collective: every rank re-hashes a slice of the committed checkpoint of `step`; the merged
+        problems (empty: it verifies)."""
+        return self._verify_together(str(self.root / checkpoint_name(step)))
+
     def wait(self) -> None:
         """Finish in-flight saves, mirrors and pruning; raise if a save failed."""
+        self.wait_for_staging()
         for attr in ("_collective_work", "_local_work"):
             thread = getattr(self, attr)
             if thread is not None:

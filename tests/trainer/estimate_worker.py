@@ -1,0 +1,56 @@
+"""Run by tests/trainer/test_estimate.py in its own process (a world of one): the measured peak of
+tensor bytes over the first forward + backward of small models (PeakTracker; it sees what the step
+allocates: gathered parameters, gradients, activations) next to the estimator's figure for the same.
+
+    python -m tests.trainer.estimate_worker OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from tests.trainer.memory import PeakTracker
+from trainer.config import derive_layout, load_config
+from trainer.data import BatchLoader, build_source
+from trainer.distributed import init_distributed, shutdown
+from trainer.estimate import estimate
+from trainer.train import build_parallel_model, loss_fn
+
+CASES = {
+    "deep": ["model.vocab_size=2048", "model.dim=128", "model.n_heads=4", "model.ffn_dim=352",
+             "model.n_layers=4", "model.max_seq_len=256", "data.seq_len=256"],
+    "wide": ["model.vocab_size=512", "model.dim=256", "model.n_heads=8", "model.ffn_dim=704",
+             "model.n_layers=2", "model.max_seq_len=128", "data.seq_len=128"],
+}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    runtime, results = None, {}
+    for name, overrides in CASES.items():
+        for checkpointing in (False, True):
+            cfg = load_config("tiny", [*overrides, f"parallel.activation_checkpointing={checkpointing}",
+                                       "training.global_batch_size=8", "training.gradient_accumulation=1"])
+            layout = derive_layout(cfg, 1, 1)
+            runtime = runtime or init_distributed(cfg.distributed)
+            model = build_parallel_model(cfg, runtime, layout)
+            loader = BatchLoader(build_source(cfg.data, cfg.model.vocab_size, 0),
+                                 micro_batch_size=layout.micro_batch_size, rank=0, world_size=1, seed=0,
+                                 device=runtime.device, prefetch=1)
+            inputs, targets = loader.next()
+            with PeakTracker() as tracker:
+                loss_fn(model(inputs), targets).backward()
+            loader.close()
+            est = estimate(cfg, 1, ranks_per_node=1)
+            results[f"{name}{'_ac' if checkpointing else ''}"] = {
+                "measured": tracker.peak, "estimated": est.gathered + est.grads + est.activations}
+    shutdown()
+    with open(sys.argv[1], "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

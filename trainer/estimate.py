@@ -1,0 +1,186 @@
+"""Will a config fit? Per-rank memory of a training step, from the config alone (no GPU, no process
+group): `fsdp-train --estimate CONFIG --world-size N [--gpu h100]`, or `estimate(cfg, N, gpu)`.
+
+The model is built on the meta device (shapes, no memory) and every parameter is sharded by the rules
+parallelize.py applies: FSDP2 splits dim 0 over the shard group (padded to a multiple), which is all
+ranks under FULL_SHARD / SHARD_GRAD_OP, `sharding_degree` ranks (default: ranks per node) under
+HYBRID_SHARD and one under NO_SHARD. Per rank:
+
+- parameters: the fp32 master shard (4 bytes per element);
+- gradients: fp32 shards (reduce-scattered every micro-batch, so sharded during accumulation too;
+  full-size under NO_SHARD);
+- optimizer state: AdamW's two fp32 moments (8 bytes per element);
+- gathered parameters (compute dtype): FULL_SHARD / HYBRID_SHARD hold the unit being computed, the
+  one prefetched and the norm + output unit (kept from forward to backward), plus that unit's
+  unsharded gradient and reduce-scatter buffer (reduce dtype); SHARD_GRAD_OP and NO_SHARD hold every
+  parameter gathered from forward to backward;
+- activations of one micro-batch: the tensors each block saves for backward (compute dtype, with the
+  fp32 intermediates of RMSNorm and rotary embeddings), counted per token from the model's shapes, or
+  with activation checkpointing only each block's input plus one block recomputed; the attention
+  score matrix only without flash attention (CPU); the logits, their gradient and one fp32 loss chunk.
+
+The total is compared with the GPU's memory less a reserve (CUDA context, NCCL buffers, allocator
+fragmentation: 10%). Measured against CPU peaks in tests/trainer/test_estimate.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from trainer.config import Strategy, TrainConfig, derive_layout
+from trainer.errors import ConfigError, Problem
+from trainer.model import build_model
+
+GIB = 2**30
+# Memory of one GPU as CUDA reports it, by the names --gpu accepts.
+GPU_MEMORY = {"a100-40gb": 40 * GIB, "a100-80gb": 80 * GIB, "h100": 80 * GIB, "h200": 140 * GIB}
+USABLE_FRACTION = 0.9
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+CLUSTER_STEP = 8  # GPUs per node on p4d/p5: clusters grow by whole nodes
+MAX_CLUSTER = 4096
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes per rank of one configuration on `world_size` ranks."""
+
+    world_size: int
+    shard_group: int
+    micro_batch_size: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+    activations: int  # as configured (parallel.activation_checkpointing)
+    activations_no_ac: int
+    activations_ac: int
+    total: int
+    gpu: str | None
+    gpu_bytes: int | None
+    usable_bytes: int | None
+    fits: bool | None
+    smallest_fitting_world_size: int | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _shard_group(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> int:
+    strategy = cfg.parallel.strategy
+    if strategy is Strategy.NO_SHARD:
+        return 1
+    if strategy is Strategy.HYBRID_SHARD:
+        return cfg.parallel.sharding_degree or ranks_per_node
+    return world_size
+
+
+def _local_elements(shape: tuple[int, ...], group: int) -> int:
+    """FSDP2's dim-0 shard of a parameter, padded: ceil(rows / group) rows."""
+    return math.ceil(shape[0] / group) * math.prod(shape[1:])
+
+
+def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: bool,
+                     flash_attention: bool = True) -> int:
+    """Bytes of activations one micro-batch holds at its peak: the start of backward without
+    checkpointing; with it, the larger of that moment (block inputs + loss) and recomputing one block."""
+    m, e = cfg.model, DTYPE_BYTES[cfg.parallel.param_dtype]
+    tokens = micro_batch_size * cfg.data.seq_len
+    h, kv, f = m.dim, m.kv_heads * m.head_dim, m.ffn_dim
+    # Saved for backward, per token (RMSNorm and rotary embeddings compute in fp32):
+    rmsnorm = 4 * h + 2 * e * h  # fp32 input, normalised copy, output
+    attention = (rmsnorm + 4 * (h + kv) + e * (h + kv)  # q, k before (fp32) and after rotation
+                 + e * kv + e * h + 4 * m.n_heads)  # v; attention output and its log-sum-exp
+    feed_forward = rmsnorm + e * 4 * f  # w1 and w3 outputs, silu, their product
+    scores = 0 if flash_attention else 4 * m.n_heads * cfg.data.seq_len  # the probabilities
+    per_block = tokens * (attention + feed_forward + scores)
+    backward_transient = tokens * e * (3 * f + 2 * h)  # gradients flowing through one block
+    if e == 4:  # F.cross_entropy: the log-softmax saved, then its gradient
+        loss = 2 * tokens * m.vocab_size * 4
+    else:  # the chunked loss: the gradient in the compute dtype, one fp32 chunk
+        loss = tokens * m.vocab_size * e + 3 * min(tokens, 8192) * m.vocab_size * 4
+    head = tokens * (e * h + rmsnorm)  # embedding output, final norm
+    if checkpointing:
+        inputs = m.n_layers * tokens * e * h
+        return inputs + head + max(loss, per_block + backward_transient)
+    return m.n_layers * per_block + head + loss + backward_transient
+
+
+def _memory(cfg: TrainConfig, world_size: int, ranks_per_node: int, flash_attention: bool
+            ) -> dict[str, int]:
+    layout = derive_layout(cfg, world_size, min(ranks_per_node, world_size))
+    group = _shard_group(cfg, world_size, ranks_per_node)
+    model = build_model(cfg.model)
+    e, r = DTYPE_BYTES[cfg.parallel.param_dtype], DTYPE_BYTES[cfg.parallel.reduce_dtype]
+    local = sum(_local_elements(tuple(p.shape), group) for p in model.parameters())
+    full = sum(p.numel() for p in model.parameters())
+    units = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    embedding = model.tok_embeddings.weight.numel()
+    head = model.norm.weight.numel() + model.output.weight.numel()
+    if cfg.parallel.strategy in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD):
+        largest = max([*units, embedding])
+        gathered = e * (2 * largest + head) + (e + r) * max(largest, head)
+    else:
+        gathered = e * full + (e + r) * max([*units, embedding, head])
+    params, grads = 4 * local, 4 * (full if group == 1 else local)
+    optimizer = 8 * local
+    if cfg.parallel.cpu_offload:
+        params = grads = optimizer = 0
+    micro = layout.micro_batch_size
+    no_ac = activation_bytes(cfg, micro, checkpointing=False, flash_attention=flash_attention)
+    ac = activation_bytes(cfg, micro, checkpointing=True, flash_attention=flash_attention)
+    activations = ac if cfg.parallel.activation_checkpointing else no_ac
+    return {"world_size": world_size, "shard_group": group, "micro_batch_size": layout.micro_batch_size,
+            "params": params, "grads": grads, "optimizer": optimizer, "gathered": gathered,
+            "activations": activations, "activations_no_ac": no_ac, "activations_ac": ac,
+            "total": params + grads + optimizer + gathered + activations}
+
+
+def estimate(cfg: TrainConfig, world_size: int, gpu: str | None = None, *, ranks_per_node: int = 8,
+             flash_attention: bool = True) -> Estimate:
+    """Per-rank memory of `cfg` on `world_size` ranks and, with `gpu`, whether it fits and the smallest
+    world size (a multiple of 8 GPUs) that does. Raises ConfigError for an unknown GPU or a layout
+    that cannot work (derive_layout's checks)."""
+    if gpu is not None and gpu not in GPU_MEMORY:
+        raise ConfigError([Problem("--gpu", gpu, "is not a known GPU",
+                                   f"use one of: {', '.join(GPU_MEMORY)}")])
+    memory = _memory(cfg, world_size, ranks_per_node, flash_attention)
+    gpu_bytes = GPU_MEMORY.get(gpu) if gpu else None
+    usable = int(gpu_bytes * USABLE_FRACTION) if gpu_bytes else None
+    smallest = None
+    if usable:
+        for candidate in range(CLUSTER_STEP, MAX_CLUSTER + 1, CLUSTER_STEP):
+            try:
+                if _memory(cfg, candidate, ranks_per_node, flash_attention)["total"] <= usable:
+                    smallest = candidate
+                    break
+            except ConfigError:
+                continue  # the global batch does not split over this many ranks
+    return Estimate(**memory, gpu=gpu, gpu_bytes=gpu_bytes, usable_bytes=usable,
+                    fits=None if usable is None else memory["total"] <= usable,
+                    smallest_fitting_world_size=smallest)
+
+
+def report(cfg_name: str, result: Estimate) -> list[str]:
+    def gib(value: int) -> str:
+        return f"{value / GIB:8.2f} GiB"
+
+    lines = [f"{cfg_name} on {result.world_size} ranks (shard group {result.shard_group}, micro-batch "
+             f"{result.micro_batch_size}), per rank:",
+             f"  parameters (fp32 shard)    {gib(result.params)}",
+             f"  gradients                  {gib(result.grads)}",
+             f"  optimizer state (AdamW)    {gib(result.optimizer)}",
+             f"  gathered parameters        {gib(result.gathered)}",
+             f"  activations                {gib(result.activations)}  (with activation checkpointing "
+             f"{gib(result.activations_ac).strip()}, without {gib(result.activations_no_ac).strip()})",
+             f"  total                      {gib(result.total)}"]
+    if result.gpu:
+        verdict = "fits" if result.fits else "does NOT fit"
+        lines.append(f"  {result.gpu}: {result.gpu_bytes / GIB:.0f} GiB, {result.usable_bytes / GIB:.1f} GiB "
+                     f"usable: {verdict}")
+        smallest = result.smallest_fitting_world_size
+        lines.append(f"  smallest cluster that fits: {smallest} GPUs ({smallest // CLUSTER_STEP} nodes of "
+                     f"{CLUSTER_STEP})" if smallest else
+                     f"  no cluster up to {MAX_CLUSTER} GPUs fits; enable activation checkpointing, shard "
+                     "more widely (FULL_SHARD) or lower the micro-batch")
+    return lines
