@@ -80,8 +80,9 @@ class RankMetrics:
         """After every step, with the records MetricsLogger.log_step wrote for it (none between log
         intervals: the file is rewritten at metrics.log_interval, from the newest record)."""
         if self.cfg.fault_leak_mib_per_step and self.runtime.rank == self.cfg.fault_leak_rank:
-            # bytes(...) pages are touched, so the resident set really grows.
-            self._leaked.append(bytearray(b"\1" * int(self.cfg.fault_leak_mib_per_step * MIB)))
+            # repeating a non-zero byte writes every page (a zeroed buffer may stay unbacked), and no
+            # temporary is freed back for the next one to reuse: the resident set grows by this much
+            self._leaked.append(bytearray(b"\1") * int(self.cfg.fault_leak_mib_per_step * MIB))
         if records:
             self.update(records[-1])
 
