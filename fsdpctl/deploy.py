@@ -315,18 +315,26 @@ def _install_script(bundle: Bundle, wheelhouse_dir: str, trainer_dir: str, venv:
     wheel = f"{trainer_dir}/{bundle.trainer_wheel}"
     reuse_torch = (f"python3 -c 'import torch, sys; sys.exit(torch.__version__.split(\"+\")[0] != "
                    f"\"{_public_version(torch_version)}\")' 2>/dev/null")
+    # An install that lost its operator (a SIGKILLed deploy) may still run on the node: the lock makes
+    # the next one wait for it. A venv is usable only once `.fsdp-venv` says it was made whole; one
+    # cut short (no pip yet) is made again.
     return f"""set -e
 venv={q(venv)}
 wheelhouse={q(wheelhouse_dir)}
+mkdir -p "$(dirname "$venv")"
+exec 9>"$venv.lock"
+flock 9
 have_deps=$(cat "$venv/.fsdp-wheelhouse" 2>/dev/null || true)
 have_trainer=$(cat "$venv/.fsdp-trainer" 2>/dev/null || true)
 if [ "$have_deps" = {q(bundle.wheelhouse_key)} ] && [ "$have_trainer" = {q(bundle.trainer_key)} ]; then
   echo "already installed"; exit 0
 fi
-if [ ! -x "$venv/bin/python" ]; then
+if [ ! -f "$venv/.fsdp-venv" ]; then
+  rm -rf "$venv"
   if {reuse_torch}; then flags=--system-site-packages; echo "reusing the node's torch"; else flags=; fi
-  mkdir -p "$(dirname "$venv")"
   python3 -m venv $flags "$venv"
+  touch "$venv/.fsdp-venv"
+  have_deps=
 fi
 install() {{ "$venv/bin/pip" install -q --no-compile --no-index "$@"; }}
 if [ "$have_deps" != {q(bundle.wheelhouse_key)} ]; then

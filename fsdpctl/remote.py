@@ -179,10 +179,19 @@ def close_control_masters(control_dir: Path) -> None:
 
 def cmd_ssh(args: Namespace) -> int:
     """`fsdpctl ssh RANK -- CMD`: run CMD on the node (no CMD: an interactive shell)."""
-    state = state_mod.resolve(args.cluster)
     words = list(args.remote_command)
-    if words and words[0] == "--":
-        words = words[1:]
+    if "--" in words:  # options after RANK land in the command (argparse's REMAINDER): take them back
+        options, words = words[:words.index("--")], words[words.index("--") + 1:]
+        while options:
+            option = options.pop(0)
+            if option == "--cluster" and options:
+                args.cluster = options.pop(0)
+            elif option.startswith("--cluster="):
+                args.cluster = option.split("=", 1)[1]
+            else:
+                raise UsageError(f"fsdpctl ssh: unknown option {option!r} before `--`; the form is "
+                                 "`fsdpctl ssh [--cluster NAME] RANK -- CMD`")
+    state = state_mod.resolve(args.cluster)
     node = node_by_rank(state, args.rank)
     argv = ssh_argv(state, node, " ".join(words))
     if not words:  # an interactive login: no command, and a terminal when we have one

@@ -76,7 +76,7 @@ def kill_at_random_point(home: Path, argv: list[str], low: float, high: float) -
 def node_processes(home: Path, rank: int, pattern: str) -> list[str]:
     """Processes on a node whose command line matches `pattern` (pgrep -af)."""
     done = fsdpctl(home, "ssh", str(rank), "--cluster", NAME, "--", f"pgrep -af {pattern} || true",
-                   check=False, timeout=60)
+                   timeout=60)
     return [line for line in done.stdout.splitlines() if line.strip() and "pgrep" not in line]
 
 

@@ -173,3 +173,13 @@ def test_a_corrupt_state_file_is_a_one_line_error(home, tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"{state.state_path} is not valid JSON" in result.stderr
     assert "fsdpctl down --cluster cli-local --force" in result.stderr
+
+
+def test_ssh_takes_cluster_after_the_rank_too(home, tmp_path):
+    local_cluster(tmp_path)
+    for argv in (("ssh", "0", "--cluster", "no-such", "--", "true"),
+                 ("ssh", "0", "--cluster=no-such", "--", "true")):
+        result = run(*argv, home=home)
+        assert result.returncode == 2 and "no cluster named 'no-such'" in result.stderr, result.stderr
+    result = run("ssh", "0", "--bogus", "--", "true", home=home)
+    assert result.returncode == 2 and "unknown option '--bogus' before `--`" in result.stderr

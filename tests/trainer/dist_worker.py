@@ -102,6 +102,15 @@ def fsdp_run(cfg, runtime, layout) -> tuple[list[float], dict[str, torch.Tensor]
     return losses, params, skipped
 
 
+def finish(runtime, out: str, results: dict) -> None:
+    """Rank 0 writes the results for pytest; every rank waits for it, then leaves the process group."""
+    if runtime.is_main:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    shutdown()
+
+
 def main() -> None:
     out, names = sys.argv[1], sys.argv[2:]
     world_size, local_world_size = launch_sizes()
@@ -118,11 +127,7 @@ def main() -> None:
         results[name] = {"fsdp_losses": fsdp_losses, "reference_losses": ref_losses, "skipped": skipped,
                          "max_param_diff": max(diffs.values()), "worst_param": max(diffs, key=diffs.get),
                          "max_update": max_update, "mesh": [layout.replicate, layout.shard]}
-    if runtime.is_main:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    shutdown()
+    finish(runtime, out, results)
 
 
 if __name__ == "__main__":

@@ -8,15 +8,15 @@ over the forward and backward passes of a step (PeakTracker).
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch.distributed as dist
 
+from tests.trainer.dist_worker import finish
 from tests.trainer.memory import PeakTracker, gathered_param_bytes, gradient_bytes, sharded_bytes
 from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
-from trainer.distributed import init_distributed, launch_sizes, shutdown
+from trainer.distributed import init_distributed, launch_sizes
 from trainer.parallelize import set_gradient_sync
 from trainer.train import build_optimizer, build_parallel_model, loss_fn
 
@@ -72,11 +72,7 @@ def main() -> None:
         per_rank = [None] * runtime.world_size
         dist.all_gather_object(per_rank, mine)
         results[strategy] = per_rank
-    if runtime.is_main:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    shutdown()
+    finish(runtime, out, results)
 
 
 if __name__ == "__main__":
