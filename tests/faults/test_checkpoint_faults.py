@@ -6,8 +6,10 @@ checkpoint that verifies and continues with the losses of an uninterrupted run."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -134,3 +136,41 @@ def test_checkpoints_deleted_and_truncated_while_training_the_next_save_succeeds
     after = step_metrics(metrics)
     fault.lost(0 if after[-2:] == straight_run[-2:] else 2)
     assert after[-2:] == straight_run[-2:]
+
+
+def test_sigterm_to_the_trainer_checkpoints_at_the_step_boundary_exits_0_and_resumes(
+        tmp_path, straight_run, fault):
+    """SIGTERM to the training processes (what `scancel` and a spot drain send to every process of a
+    job step): each finishes its step, they save one verified checkpoint at the same step and exit 0."""
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen(trainer(8, checkpoints, metrics, "--checkpoint-interval", "100", "--set",
+                                    "metrics.log_interval=1", "--steps", "400"),
+                            cwd=REPO, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _wait_for(lambda: metrics.exists() and len(step_metrics(metrics)) >= 3, proc, "3 steps")
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                 text=True).stdout.split()
+        assert len(workers) == 2, workers
+        for pid in workers:
+            os.kill(int(pid), signal.SIGTERM)
+        fault.inject("SIGTERM to both trainer processes mid-run")
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    saved = committed(checkpoints)
+    assert len(saved) == 1, saved
+    assert verify(saved[0]).returncode == 0
+    stop_step = int(saved[0].name.removeprefix("step_"))
+    summary = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
+    assert summary["stopped"] == "signal" and summary["last_step"] == stop_step, summary
+    # nothing done before the signal is lost: the resume continues from the stop step
+    resumed = run_trainer(trainer(8, checkpoints, metrics))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {saved[0]} (step {stop_step})" in resumed.stderr
+    after = {row["step"]: row for row in step_metrics(metrics)}
+    fault.lost(sum(1 for row in straight_run if after.get(row["step"]) != row))
+    assert [after[row["step"]] for row in straight_run] == straight_run
