@@ -208,6 +208,11 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
     """The whole layer for FSDPCTL_LOCAL_NODE_LAYER; returns `layer`."""
     shape = layer / SHAPE.lstrip("/")
     sysfs_tree(shape, instance_type)
+    for link in [p for p in shape.rglob("*") if p.is_symlink()]:  # relative, so they resolve on the node
+        target = Path(os.readlink(link))
+        if target.is_absolute():
+            link.unlink()
+            link.symlink_to(os.path.relpath(target, link.parent))
     facts = catalog.CATALOG[instance_type]
     for n in range(1, facts.nvme_devices + 1):  # the DLAMI's array over the instance store
         (shape / f"sys/class/block/nvme{n}n1/holders/md127").mkdir(parents=True)

@@ -6,6 +6,7 @@ changes nothing. Checked from outside over SSH."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -29,8 +30,8 @@ NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 HARDWARE_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect", "storage")
 EXTRA_VARS = {
     "fsdp_sysfs_root": dlami.SHAPE,  # hardware_facts reads the shaped tree
-    "fsdp_offline": "false",  # the local apt repository is the node's package source
-    "hardware_required": "true",  # absent hardware fails, as on AWS
+    "fsdp_offline": False,  # the local apt repository is the node's package source
+    "hardware_required": True,  # absent hardware fails, as on AWS
     "nccl_tests_url": dlami.NCCL_TESTS_TARBALL,
 }
 LINE = re.compile(
@@ -80,7 +81,7 @@ def check_mode(cluster):
             "ANSIBLE_SSH_CONTROL_PATH_DIR": control,
             "ANSIBLE_NOCOLOR": "1",
         }
-        extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={v}")]
+        extra = ["-e", json.dumps(EXTRA_VARS)]
         try:
             return subprocess.run(
                 [
@@ -106,14 +107,14 @@ def check_mode(cluster):
 @pytest.fixture(scope="module")
 def first_run(cluster, check_mode):
     home, _ = cluster
-    extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={v}")]
+    extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
     return fsdpctl(home, "configure", *extra, check=False)
 
 
 @pytest.fixture(scope="module")
 def second_run(cluster, first_run):
     home, _ = cluster
-    extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={v}")]
+    extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
     return fsdpctl(home, "configure", *extra, check=False)
 
 
