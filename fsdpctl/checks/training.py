@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from fsdpctl import remote
+from fsdpctl.checks import nccl_network
 from fsdpctl.checks.context import CheckContext, CheckError, CheckResult
 from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_jsonl, step_lines
 from fsdpctl.console import stage
@@ -55,7 +56,8 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     ckpt = f"{ctx.work_dir}/fsdp-checkpoints" if ctx.shared else None
     metrics = f"{ctx.work_dir}/fsdp-metrics.jsonl"
     job = ctx.job("fsdp", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
-                                        metrics=metrics, resume="none"))
+                                        metrics=metrics, resume="none"),
+                  env=nccl_network.NCCL_DEBUG_ENV if ctx.on_gpu else None)
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
         result.fail(f"training run failed: {failure}")
@@ -65,6 +67,11 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     summary_event = next((r for r in rows if r.get("event") == "summary"), {})
     ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(lines)}
     problems, facts = [], {"steps": len(lines), "world_size": len(ctx.ranks) * ctx.nproc}
+    if ctx.on_gpu:  # EFA instances must train over aws-ofi-nccl on EFA, with GPUDirect RDMA
+        network = nccl_network.parse_nccl_network(nccl_network.job_logs(job))
+        facts["nccl_network"] = network.as_dict()
+        problems += nccl_network.network_problems(network, efa_interfaces=ctx.spec.instance.efa_interfaces,
+                                                  multi_node=len(ctx.ranks) > 1)
     if len(lines) < steps:
         result.fail(f"the run logged {len(lines)} of {steps} steps to {metrics}")
         return

@@ -45,6 +45,9 @@ def test_container_without_hardware_or_cap_sys_resource(tmp_path):
         "efa_devices": [],
         "efa_count": 0,
         "nvme_instance_store": [],
+        "nvme_holders": {},
+        "peermem_modules": [],
+        "nvidia_kernel_module": "",
         "container": "systemd-nspawn",
         "cap_sys_resource": False,
     }
@@ -59,3 +62,19 @@ def test_infiniband_device_of_another_driver_is_not_an_efa(tmp_path):
     (tmp_path / "sys/class/infiniband/mlx5_0").mkdir(parents=True)
     (tmp_path / "sys/class/infiniband/mlx5_0/device").symlink_to(dev)
     assert detect_hardware(tmp_path)["efa_count"] == 0
+
+
+def test_gpudirect_and_instance_store_use_are_detected(tmp_path):
+    # a Deep Learning AMI: the instance store held by one md array, efa_nv_peermem loaded, open modules
+    root = sysfs_tree(tmp_path, "p4d.24xlarge")
+    for n in range(1, 9):
+        (root / f"sys/class/block/nvme{n}n1/holders/md127").mkdir(parents=True)
+    (root / "sys/module/efa_nv_peermem").mkdir(parents=True)
+    (root / "proc/driver/nvidia").mkdir(parents=True)
+    (root / "proc/driver/nvidia/version").write_text(
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  595.71.05  Release Build\n"
+    )
+    found = detect_hardware(root)
+    assert found["nvme_holders"] == {f"/dev/nvme{n}n1": ["md127"] for n in range(1, 9)}
+    assert found["peermem_modules"] == ["efa_nv_peermem"]
+    assert found["nvidia_kernel_module"] == "open"

@@ -252,7 +252,7 @@ def test_nvidia_smi_check_parses_every_gpu(gpu_node):
         task_expression(
             "nvidia",
             "driver.yml",
-            "Check the driver branch and persistence mode on every GPU",
+            "Check the driver version and persistence mode on every GPU",
             "vars",
             "nvidia_gpus",
         ),
@@ -261,43 +261,3 @@ def test_nvidia_smi_check_parses_every_gpu(gpu_node):
     assert len(gpus) == render("{{ fsdp_hardware.gpu_count }}", variables) == 8
     assert {g[1].split(".")[0] for g in gpus} == {render("{{ nvidia_driver_branch }}", variables)}
     assert render("{{ nvidia_nvswitch }}", variables) is True
-
-
-@pytest.mark.parametrize(
-    ("smi_rc", "smi_version", "services", "expected"),
-    [
-        # the image's driver is on the branch and fabric manager exists: install nothing
-        (0, "580.95.05", {"nvidia-fabricmanager.service": {}}, []),
-        # no driver yet: driver and fabric manager packages of the branch
-        (
-            9,
-            "",
-            {},
-            [
-                "nvidia-driver-580-server-open",
-                "nvidia-utils-580-server",
-                "nvidia-fabricmanager-580",
-                "libnvidia-nscq-580",
-            ],
-        ),
-        # another branch loaded: the pinned branch's driver; fabric manager already there
-        (
-            0,
-            "570.172.08",
-            {"nvidia-fabricmanager.service": {}},
-            ["nvidia-driver-580-server-open", "nvidia-utils-580-server"],
-        ),
-    ],
-)
-def test_driver_packages_only_where_the_branch_is_missing(gpu_node, smi_rc, smi_version, services, expected):
-    smi = {"rc": smi_rc, "stdout_lines": [smi_version] * 8 if smi_version else []}
-    variables = gpu_node("p4d.24xlarge", nvidia_smi_version=smi)
-    variables["ansible_facts"] = {**variables["ansible_facts"], "services": services}
-    task = "Decide what to install"
-    on_branch = render(
-        task_expression("nvidia", "driver.yml", task, "vars", "nvidia_driver_on_branch"), variables
-    )
-    wanted = task_expression(
-        "nvidia", "driver.yml", task, "ansible.builtin.set_fact", "nvidia_packages_wanted"
-    )
-    assert render(wanted, {**variables, "nvidia_driver_on_branch": on_branch}) == expected

@@ -7,6 +7,11 @@ frames. The nodes' default gateway is an address on the bridge that nobody answe
 does not forward, so a node reaches the other nodes and the host's bridge address, nothing else.
 A host directory is bind-mounted at /shared on every node (the stand-in for FSx).
 
+`FSDPCTL_LOCAL_NODE_LAYER=DIR` copies the tree DIR onto every node's root before it boots (the
+first layer of its overlay above the base image): a generic hook for giving nodes files the base
+image lacks, e.g. the hardware-shaped profile the tests build (tests/shaped/). Nothing in it is
+product code; without the variable nodes are plain.
+
 Everything `up` will create is recorded in state (`local`) before it is created, so `down` can
 remove it after any failure, including a SIGKILLed `up`: it finds processes by the node
 directories they run from, not by pids that a killed run may never have written.
@@ -41,6 +46,7 @@ BOOT_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 30
 NSPAWN_RUNTIME_DIRS = ("/run/systemd/nspawn/propagate", "/run/systemd/nspawn/unix-export")
 NSPAWN_LOCKS_DIR = "/run/systemd/nspawn/locks"
+LAYER_ENV = "FSDPCTL_LOCAL_NODE_LAYER"
 
 
 
@@ -106,6 +112,7 @@ def _host_conflicts(plan: LocalRecord) -> list[str]:
 def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Out = print) -> None:
     """Create and boot the nodes; on any failure (or Ctrl-C) remove what was made, then raise."""
     require_host("fsdpctl up --target local")
+    node_layer()  # a bad FSDPCTL_LOCAL_NODE_LAYER fails before anything is created
     started = time.monotonic()
     image = rootfs.ensure_rootfs(progress)
     plan = make_plan(state, spec, node_count, image)
@@ -173,6 +180,9 @@ def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
     base = Path(node.dir)
     for sub in ("upper", "work", "merged"):
         (base / sub).mkdir(parents=True, exist_ok=True)
+    layer = node_layer()
+    if layer is not None:
+        _sh("cp", "-a", "--", f"{layer}/.", str(base / "upper"))
     _sh("mount", "-t", "overlay", "overlay", "-o",
         f"lowerdir={plan.rootfs},upperdir={base / 'upper'},workdir={base / 'work'}", str(node.root))
     root = node.root
@@ -189,6 +199,18 @@ def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
     host_key = root / "etc/ssh/ssh_host_ed25519_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{node.name}", "-f", str(host_key))
     return " ".join(host_key.with_suffix(".pub").read_text().split()[:2])
+
+
+def node_layer() -> Path | None:
+    """The directory named by FSDPCTL_LOCAL_NODE_LAYER (copied onto every node), if set."""
+    value = os.environ.get(LAYER_ENV, "").strip()
+    if not value:
+        return None
+    layer = Path(value)
+    if not layer.is_absolute() or not layer.is_dir():
+        raise UsageError(f"{LAYER_ENV}={value!r} is not an absolute path to a directory: give the directory "
+                         "whose tree every local node gets on top of its image, or unset the variable")
+    return layer
 
 
 def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:

@@ -19,7 +19,11 @@ description:
     NVSwitches are vendor 0x10de bridges (class 0x0680).
   - EFA devices are C(/sys/class/infiniband) entries whose device is bound to the C(efa) driver.
   - NVMe instance-store devices are namespaces of controllers whose model is
-    "Amazon EC2 NVMe Instance Storage" (EBS volumes report "Amazon Elastic Block Store").
+    "Amazon EC2 NVMe Instance Storage" (EBS volumes report "Amazon Elastic Block Store"); each one's
+    holders (an md array or device-mapper volume built on it, e.g. the Deep Learning AMI's) are reported.
+  - GPUDirect RDMA support, from which peer-memory modules are loaded (C(/sys/module)), and whether the
+    NVIDIA kernel module is the open one (C(/proc/driver/nvidia/version)), which can share GPU memory
+    through dma-buf instead of a peer-memory module.
 options:
   sysfs_root:
     description: Directory that holds C(sys/), C(proc/) and C(run/); the node's C(/) unless testing.
@@ -42,7 +46,9 @@ ansible_facts:
   contains:
     fsdp_hardware:
       description: gpus (PCI addresses), gpu_count, nvswitch_count, efa_devices, efa_count,
-        nvme_instance_store (device paths), container (empty when not in one), cap_sys_resource.
+        nvme_instance_store (device paths), nvme_holders (device path -> holder names),
+        peermem_modules (loaded peer-memory modules), nvidia_kernel_module (open, proprietary or
+        empty when none is loaded), container (empty when not in one), cap_sys_resource.
       type: dict
 """
 
@@ -51,6 +57,7 @@ GPU_CLASS_PREFIXES = ("0x0300", "0x0302")
 NVSWITCH_CLASS_PREFIX = "0x0680"
 INSTANCE_STORE_MODEL = "Amazon EC2 NVMe Instance Storage"
 CAP_SYS_RESOURCE_BIT = 24
+PEERMEM_MODULES = ("efa_nv_peermem", "nvidia_peermem")
 
 
 def _read(path, default=""):
@@ -97,6 +104,18 @@ def _instance_store_devices(root):
     return sorted(found, key=lambda dev: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", dev)])
 
 
+def _holders(root, devices):
+    base = os.path.join(root, "sys/class/block")
+    return {dev: _listdir(os.path.join(base, os.path.basename(dev), "holders")) for dev in devices}
+
+
+def _nvidia_kernel_module(root):
+    version = _read(os.path.join(root, "proc/driver/nvidia/version"))
+    if not version:
+        return ""
+    return "open" if "Open Kernel Module" in version else "proprietary"
+
+
 def _container(root):
     marker = _read(os.path.join(root, "run/systemd/container"))
     if marker:
@@ -128,13 +147,17 @@ def detect(root="/"):
         elif pci_class.startswith(NVSWITCH_CLASS_PREFIX):
             nvswitches += 1
     efa = _efa_devices(root)
+    nvme = _instance_store_devices(root)
     return {
         "gpus": gpus,
         "gpu_count": len(gpus),
         "nvswitch_count": nvswitches,
         "efa_devices": efa,
         "efa_count": len(efa),
-        "nvme_instance_store": _instance_store_devices(root),
+        "nvme_instance_store": nvme,
+        "nvme_holders": _holders(root, nvme),
+        "peermem_modules": [m for m in PEERMEM_MODULES if os.path.isdir(os.path.join(root, "sys/module", m))],
+        "nvidia_kernel_module": _nvidia_kernel_module(root),
         "container": _container(root),
         "cap_sys_resource": _cap_sys_resource(root),
     }

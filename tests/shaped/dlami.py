@@ -1,0 +1,288 @@
+# ruff: noqa: E501 (stand-in scripts and package tables read better unwrapped)
+"""A node layer shaped like a Deep Learning AMI (Ubuntu, Base OSS Nvidia Driver) on a p4d/p5 instance, for
+the local target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in and lives under tests/:
+
+- /opt/fsdp-shape: a sys/proc/run tree with the type's GPUs, NVSwitches, EFA devices and NVMe instance
+  store (held by the DLAMI's md array), read by hardware_facts through fsdp_sysfs_root;
+- stand-in modprobe/modinfo answering like kmod for the type's modules (loading one makes it appear in
+  /opt/fsdp-shape/sys/module, gdrdrv makes /dev/gdrdrv);
+- Debian packages built here with dpkg-deb, with the real names, versions and dependencies: those the
+  DLAMI ships (driver 595, Fabric Manager, GDRCopy 2.5.2, EFA installer 1.50.0's libfabric, Open MPI,
+  aws-ofi-nccl 1.18.0, efa-nv-peermem) are installed at "image bake" time; those the roles install
+  (CUDA toolkit, NCCL) sit in a local apt repository that the stand-in cuda-keyring points apt at;
+- real ELF libraries and an all_reduce_perf binary built with the host's gcc (linked like nccl-tests:
+  libnccl and libmpi, no rpath), so ldd on the node resolves them for real;
+- the nccl-tests source tarball the nccl role unpacks, whose "build" copies that binary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+from infra import catalog
+from tests.ansible.conftest import sysfs_tree
+
+SHAPE = "/opt/fsdp-shape"  # the sysfs root on the node (fsdp_sysfs_root)
+REPO = f"{SHAPE}/repo"
+IMAGE_DEBS = f"{SHAPE}/image-debs"
+DRIVER = "595.71.05"
+NCCL_TESTS_VERSION = "2.17.9"
+NCCL_TESTS_TARBALL = f"{SHAPE}/src/nccl-tests-{NCCL_TESTS_VERSION}.tar.gz"
+DLAMI_MOUNT = "/opt/dlami/nvme"
+# What the DLAMI's boot does before anyone configures the node: its packages are installed (the
+# image), services enabled, the instance store mounted at /opt/dlami/nvme.
+BAKE = (f"set -e; dpkg -i {IMAGE_DEBS}/*.deb >/dev/null; systemctl daemon-reload; "
+        "systemctl enable --now nvidia-persistenced nvidia-fabricmanager >/dev/null 2>&1; "
+        f"mkdir -p {DLAMI_MOUNT}; mountpoint -q {DLAMI_MOUNT} || mount -t tmpfs -o size=64m dlami-nvme {DLAMI_MOUNT}")
+
+# Stand-in commands -------------------------------------------------------------------------------
+MODPROBE = f"""#!/bin/sh
+# stand-in kmod modprobe: the shaped node's kernel has the modules listed in {SHAPE}/modules.available
+while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
+name=$(echo "$1" | tr - _)
+if ! grep -qx "$name" {SHAPE}/modules.available; then
+  echo "modprobe: FATAL: Module $1 not found in directory /lib/modules/$(uname -r)" >&2; exit 1
+fi
+mkdir -p {SHAPE}/sys/module/"$name"
+[ "$name" = gdrdrv ] && : > /dev/gdrdrv
+echo "$name" >> {SHAPE}/modprobe.log
+exit 0
+"""
+MODINFO = f"""#!/bin/sh
+# stand-in kmod modinfo --field filename NAME
+for name; do :; done
+name=$(echo "$name" | tr - _)
+if grep -qx "$name" {SHAPE}/modules.available; then
+  echo "/lib/modules/$(uname -r)/updates/dkms/$name.ko"; exit 0
+fi
+echo "modinfo: ERROR: Module $name not found." >&2; exit 1
+"""
+NVIDIA_SMI = f"""#!/bin/sh
+# stand-in nvidia-smi {DRIVER}: one GPU per NVIDIA display controller on the shaped PCI bus
+gpus=$(grep -l 0x0302 {SHAPE}/sys/bus/pci/devices/*/class 2>/dev/null | wc -l)
+if systemctl is-active --quiet nvidia-persistenced; then pm=Enabled; else pm=Disabled; fi
+case "$*" in
+  *--query-gpu=driver_version*) i=0; while [ $i -lt $gpus ]; do echo {DRIVER}; i=$((i+1)); done ;;
+  *--query-gpu=index,driver_version,persistence_mode*)
+    i=0; while [ $i -lt $gpus ]; do echo "$i, {DRIVER}, $pm"; i=$((i+1)); done ;;
+  *) echo "NVIDIA-SMI {DRIVER}    Driver Version: {DRIVER}    CUDA Version: 13.2" ;;
+esac
+"""
+FABRICMANAGER = f"""#!/bin/sh
+case "$1" in --version|-v) echo "Fabric Manager version is : {DRIVER}"; exit 0 ;; esac
+exec sleep infinity
+"""
+FI_INFO = f"""#!/bin/sh
+# stand-in libfabric 2.4.0amzn1.0 fi_info: one efa RDM domain per EFA device; with -c FI_HMEM only
+# when GPU memory can be registered (a peer-memory module loaded, or the open NVIDIA module: dma-buf)
+case "$*" in *--version*) printf 'fi_info: 2.4.0amzn1.0\\nlibfabric: 2.4.0amzn1.0\\nlibfabric api: 2.4\\n'; exit 0 ;; esac
+case "$*" in *FI_HMEM*)
+  ls {SHAPE}/sys/module | grep -q peermem || grep -q "Open Kernel" {SHAPE}/proc/driver/nvidia/version 2>/dev/null \\
+    || {{ echo "fi_getinfo: -61 (No data available)" >&2; exit 1; }} ;;
+esac
+for dev in $(ls {SHAPE}/sys/class/infiniband); do
+  printf 'provider: efa\\n    fabric: efa\\n    domain: %s-rdm\\n    version: 201.0\\n    type: FI_EP_RDM\\n    protocol: FI_PROTO_EFA\\n' "$dev"
+done
+"""
+MAKE = """#!/bin/sh
+# stand-in make for the nccl-tests tree: records its arguments and "builds" the prebuilt binary
+echo "$@" > make-args.txt
+exec sh ./fsdp-shape-build.sh
+"""
+SERVICE = """[Unit]
+Description={description}
+
+[Service]
+ExecStart={command}
+
+[Install]
+WantedBy=multi-user.target
+"""
+INITRAMFS = "#!/bin/sh\necho \"update-initramfs $*\" >> /var/log/fsdp-shape-initramfs.log\n"
+NVCC = """#!/bin/sh
+echo "nvcc: NVIDIA (R) Cuda compiler driver"
+echo "Cuda compilation tools, release 12.9, V12.9.86"
+"""
+
+# Stand-in libraries (real ELF objects) --------------------------------------------------------------
+C_SOURCES = {
+    "nccl.c": "int ncclGetVersion(int *v) { *v = 22903; return 0; }\n",
+    "mpi.c": "int MPI_Init(int *c, char ***v) { (void)c; (void)v; return 0; }\n",
+    "ofi.c": "const char *ncclNetPlugin_v9 = \"Libfabric\";\n",
+    "fabric.c": "int fi_version(void) { return 0x20004; }\n",
+    "all_reduce_perf.c": ("int ncclGetVersion(int *); int MPI_Init(int *, char ***);\n"
+                          "int main(int c, char **v) { int n; MPI_Init(&c, &v); return ncclGetVersion(&n); }\n"),
+}
+
+
+def _cc(work: Path, *args: str) -> None:
+    subprocess.run(["gcc", *args], cwd=work, check=True, capture_output=True)
+
+
+def build_elves(work: Path) -> dict[str, Path]:
+    """libnccl.so.2, libmpi.so.40, libnccl-net-ofi.so, libfabric.so.1 and all_reduce_perf (NEEDED
+    libnccl.so.2 and libmpi.so.40, no rpath: nccl-tests' Makefile links with -L only)."""
+    work.mkdir(parents=True, exist_ok=True)
+    for name, text in C_SOURCES.items():
+        (work / name).write_text(text)
+    _cc(work, "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", "libnccl.so.2", "nccl.c")
+    _cc(work, "-shared", "-fPIC", "-Wl,-soname,libmpi.so.40", "-o", "libmpi.so.40", "mpi.c")
+    _cc(work, "-shared", "-fPIC", "-o", "libnccl-net-ofi.so", "ofi.c")
+    _cc(work, "-shared", "-fPIC", "-Wl,-soname,libfabric.so.1", "-o", "libfabric.so.1", "fabric.c")
+    (work / "libmpi.so").symlink_to("libmpi.so.40")
+    (work / "libnccl.so").symlink_to("libnccl.so.2")
+    _cc(work, "-o", "all_reduce_perf", "all_reduce_perf.c", "-L.", "-lnccl", "-lmpi")
+    return {p.name: p for p in work.iterdir()}
+
+
+# Packages --------------------------------------------------------------------------------------------
+def build_deb(out: Path, name: str, version: str, files: dict[str, bytes | Path], *, depends: str = "",
+              arch: str = "amd64", modes: dict[str, int] | None = None) -> Path:
+    """A Debian package built with dpkg-deb: control with the real name, version and dependencies."""
+    root = out / f"build-{name}"
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "DEBIAN").mkdir(parents=True)
+    control = (f"Package: {name}\nVersion: {version}\nArchitecture: {arch}\nMaintainer: fsdp-cluster tests "
+               f"<tests@example.invalid>\n" + (f"Depends: {depends}\n" if depends else "")
+               + f"Description: stand-in {name} for a hardware-shaped test node\n")
+    (root / "DEBIAN/control").write_text(control)
+    if any(".so" in path for path in files):  # as real library packages do: refresh the linker cache
+        (root / "DEBIAN/triggers").write_text("activate-noawait ldconfig\n")
+    for path, content in files.items():
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, Path):
+            shutil.copy2(content, target)
+        else:
+            target.write_bytes(content)
+        executable = "/bin/" in path or "/sbin/" in path or target.read_bytes()[:2] == b"#!"
+        target.chmod((modes or {}).get(path, 0o755 if executable else 0o644))
+    deb = out / f"{name}_{version.split(':')[-1]}_{arch}.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(root), str(deb)], check=True,
+                   capture_output=True)
+    shutil.rmtree(root)
+    return deb
+
+
+def write_repository(repo: Path) -> None:
+    """A flat apt repository (`deb [trusted=yes] file:DIR ./`): Packages from each .deb's control."""
+    stanzas = []
+    for deb in sorted(repo.glob("*.deb")):
+        control = subprocess.run(["dpkg-deb", "-f", str(deb)], check=True, capture_output=True,
+                                 text=True).stdout.strip()
+        data = deb.read_bytes()
+        stanzas.append(f"{control}\nFilename: ./{deb.name}\nSize: {len(data)}\n"
+                       f"MD5sum: {hashlib.md5(data).hexdigest()}\nSHA256: {hashlib.sha256(data).hexdigest()}\n")
+    (repo / "Packages").write_text("\n".join(stanzas))
+
+
+def _script(text: str) -> bytes:
+    return text.encode()
+
+
+def _unit(description: str, command: str) -> bytes:
+    return SERVICE.format(description=description, command=command).encode()
+
+
+def _nccl_tests_tarball(path: Path, binary: Path) -> None:
+    top = f"nccl-tests-{NCCL_TESTS_VERSION}"
+    build = ("#!/bin/sh\nset -e\nmkdir -p build\ncp prebuilt/all_reduce_perf build/all_reduce_perf\n")
+    members = {f"{top}/Makefile": b"# stand-in: see fsdp-shape-build.sh\nall:\n",
+               f"{top}/fsdp-shape-build.sh": build.encode(),
+               f"{top}/prebuilt/all_reduce_perf": binary.read_bytes()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o755
+            tar.addfile(info, io.BytesIO(data))
+
+
+def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
+    """The whole layer for FSDPCTL_LOCAL_NODE_LAYER; returns `layer`."""
+    shape = layer / SHAPE.lstrip("/")
+    sysfs_tree(shape, instance_type)
+    for link in [p for p in shape.rglob("*") if p.is_symlink()]:  # relative, so they resolve on the node
+        target = Path(os.readlink(link))
+        if target.is_absolute():
+            link.unlink()
+            link.symlink_to(os.path.relpath(target, link.parent))
+    facts = catalog.CATALOG[instance_type]
+    for n in range(1, facts.nvme_devices + 1):  # the DLAMI's array over the instance store
+        (shape / f"sys/class/block/nvme{n}n1/holders/md127").mkdir(parents=True)
+    for module in ("nvidia", "nvidia_uvm", "efa", "efa_nv_peermem"):  # loaded at boot on a DLAMI
+        (shape / f"sys/module/{module}").mkdir(parents=True)
+    (shape / "proc/driver/nvidia").mkdir(parents=True)
+    (shape / "proc/driver/nvidia/version").write_text(
+        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER}  Release Build\n")
+    (shape / "run/systemd").mkdir(parents=True)
+    (shape / "run/systemd/container").write_text("systemd-nspawn\n")  # honest: still a container
+    (shape / "proc/self/status").write_text("Name:\tpython3\nCapEff:\t00000000fcecbfff\n")
+    (shape / "modules.available").write_text("nvidia\nnvidia_uvm\nefa\nefa_nv_peermem\ngdrdrv\n")
+
+    for path, text in {"usr/sbin/modprobe": MODPROBE, "usr/sbin/modinfo": MODINFO,
+                       "usr/bin/make": MAKE}.items():
+        target = layer / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        target.chmod(0o755)
+    # The DLAMI's repositories are unreachable from a test node: apt reads only the local one.
+    (layer / "etc/apt").mkdir(parents=True, exist_ok=True)
+    (layer / "etc/apt/sources.list").write_text("# shaped test node: no Debian mirror\n")
+    (layer / "opt/amazon").mkdir(parents=True, exist_ok=True)
+    (layer / "opt/amazon/efa_installed_packages").write_text(
+        "# EFA installer version: 1.50.0\n# Debug packages installed: no\n# Packages installed:\n"
+        "efa-nv-peermem_1.2.3-1.amzn1 libfabric1-aws_2.4.0amzn1.0 libfabric-aws-bin_2.4.0amzn1.0 "
+        "openmpi40-aws_4.1.7-1 libnccl-ofi_1.18.0-1\n")
+
+    elves = build_elves(work / "elves")
+    _nccl_tests_tarball(layer / NCCL_TESTS_TARBALL.lstrip("/"), elves["all_reduce_perf"])
+    image = layer / IMAGE_DEBS.lstrip("/")
+    repo = layer / REPO.lstrip("/")
+    image.mkdir(parents=True)
+    repo.mkdir(parents=True)
+    fm = f"{DRIVER}-1ubuntu1"
+    for name, version, files, depends in [
+        ("nvidia-driver-cuda", fm, {"/usr/bin/nvidia-smi": _script(NVIDIA_SMI),
+                                    "/usr/bin/nvidia-persistenced": _script("#!/bin/sh\nexec sleep infinity\n"),
+                                    "/lib/systemd/system/nvidia-persistenced.service":
+                                        _unit("NVIDIA Persistence Daemon", "/usr/bin/nvidia-persistenced")}, ""),
+        ("nvidia-fabricmanager", fm, {"/usr/bin/nv-fabricmanager": _script(FABRICMANAGER),
+                                      "/lib/systemd/system/nvidia-fabricmanager.service":
+                                          _unit("NVIDIA fabric manager service", "/usr/bin/nv-fabricmanager")},
+         f"libnvidia-nscq (= {fm})"),
+        ("libnvidia-nscq", fm, {"/usr/lib/x86_64-linux-gnu/libnvidia-nscq.so.2": b"\0"}, ""),
+        ("libgdrapi", "2.5.2", {"/usr/lib/x86_64-linux-gnu/libgdrapi.so.2": b"\0"}, ""),
+        ("gdrdrv-dkms", "2.5.2", {"/usr/src/gdrdrv-2.5.2/dkms.conf": b"PACKAGE_NAME=gdrdrv\n"}, ""),
+        ("gdrcopy-tests", "2.5.2", {"/usr/bin/gdrcopy_copybw": _script("#!/bin/sh\n")}, "libgdrapi (>= 2.5.2)"),
+        ("gdrcopy", "2.5.2", {"/usr/share/doc/gdrcopy/README": b"stand-in\n"},
+         "libgdrapi (= 2.5.2), gdrcopy-tests (= 2.5.2), gdrdrv-dkms (= 2.5.2)"),
+        ("libfabric1-aws", "2.4.0amzn1.0", {"/opt/amazon/efa/lib/libfabric.so.1": elves["libfabric.so.1"]}, ""),
+        ("libfabric-aws-bin", "2.4.0amzn1.0", {"/opt/amazon/efa/bin/fi_info": _script(FI_INFO)},
+         "libfabric1-aws (= 2.4.0amzn1.0)"),
+        ("openmpi40-aws", "4.1.7-1", {"/opt/amazon/openmpi/bin/mpirun": _script("#!/bin/sh\n"),
+                                      "/opt/amazon/openmpi/bin/mpicc": _script("#!/bin/sh\n"),
+                                      "/opt/amazon/openmpi/lib/libmpi.so.40": elves["libmpi.so.40"]}, ""),
+        ("libnccl-ofi", "1.18.0-1", {"/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu/libnccl-net-ofi.so":
+                                     elves["libnccl-net-ofi.so"]}, "libfabric1-aws (>= 2.4.0)"),
+        ("efa-nv-peermem", "1.2.3-1.amzn1", {"/usr/src/efa_nv_peermem-1.2.3/dkms.conf": b"PACKAGE_NAME=x\n"}, ""),
+        ("initramfs-tools", "0.140ubuntu13.5", {"/usr/sbin/update-initramfs": _script(INITRAMFS)}, ""),
+        ("cuda-keyring", "1.1-1", {"/etc/apt/sources.list.d/cuda-ubuntu2204-x86_64.list":
+                                   f"deb [trusted=yes] file:{REPO} ./\n".encode()}, ""),
+    ]:
+        build_deb(image, name, version, files, depends=depends,
+                  arch="all" if name == "cuda-keyring" else "amd64")
+    nccl = "2.29.3-1+cuda12.9"
+    build_deb(repo, "cuda-toolkit-12-9", "12.9.1-1", {"/usr/local/cuda-12.9/bin/nvcc": _script(NVCC)})
+    build_deb(repo, "libnccl2", nccl, {"/usr/lib/x86_64-linux-gnu/libnccl.so.2": elves["libnccl.so.2"]})
+    build_deb(repo, "libnccl-dev", nccl, {"/usr/include/nccl.h": b"#define NCCL_MAJOR 2\n"},
+              depends=f"libnccl2 (= {nccl})")
+    write_repository(repo)
+    os.chmod(layer, 0o755)
+    return layer

@@ -1,0 +1,39 @@
+"""The local target's node-layer hook and the DLAMI-shaped layer itself, without booting nodes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fsdpctl.errors import UsageError
+from fsdpctl.targets.local.nodes import LAYER_ENV, node_layer
+from tests.ansible.conftest import detect_hardware
+from tests.shaped import dlami
+
+
+def test_node_layer_names_the_variable_for_a_bad_value(monkeypatch, tmp_path):
+    monkeypatch.delenv(LAYER_ENV, raising=False)
+    assert node_layer() is None
+    monkeypatch.setenv(LAYER_ENV, str(tmp_path))
+    assert node_layer() == tmp_path
+    for bad in ("relative/dir", str(tmp_path / "missing")):
+        monkeypatch.setenv(LAYER_ENV, bad)
+        with pytest.raises(UsageError, match=f"{LAYER_ENV}=.*not an absolute path to a directory"):
+            node_layer()
+
+
+def test_dlami_layer_has_the_p4d_hardware_with_links_that_resolve_inside_the_node(tmp_path):
+    layer = dlami.build_layer(tmp_path / "layer", "p4d.24xlarge", tmp_path)
+    shape = layer / dlami.SHAPE.lstrip("/")
+    links = [p for p in shape.rglob("*") if p.is_symlink()]
+    assert links and not [p for p in links if os.path.isabs(os.readlink(p))]
+    found = detect_hardware(shape)
+    assert (found["gpu_count"], found["nvswitch_count"], found["efa_count"]) == (8, 6, 4)
+    assert len(found["nvme_instance_store"]) == 8
+    assert set(map(tuple, found["nvme_holders"].values())) == {("md127",)}
+    assert found["peermem_modules"] == ["efa_nv_peermem"] and found["nvidia_kernel_module"] == "open"
+    assert found["container"] == "systemd-nspawn"
+    packages = (layer / dlami.REPO.lstrip("/") / "Packages").read_text()
+    assert "Package: libnccl-dev\nVersion: 2.29.3-1+cuda12.9" in packages
+    assert "Depends: libnccl2 (= 2.29.3-1+cuda12.9)" in packages
