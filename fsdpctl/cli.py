@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument("--prices", type=Path, metavar="FILE",
                     help="YAML price table merged over the built-in one (infra/data/prices.yaml)")
+    sp.add_argument("--trainer-config", metavar="NAME",
+                    help="the trainer config whose memory fit to show (default: the spec's trainer.config; "
+                         "e.g. gpt-7b)")
 
     sp = cmd("preflight", "Check quotas, offerings, AMI, key pair, subnets and reservations with real "
              "credentials, before anything is created.", cluster=False)

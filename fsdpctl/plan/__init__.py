@@ -6,11 +6,13 @@ resources, `render` prints them grouped by component.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fsdpctl.console import error, say
 from fsdpctl.errors import UsageError
 from fsdpctl.plan.cost import CostEstimate, CostLine, estimate_cost, load_prices
+from fsdpctl.plan.fit import memory_fit, render_fit
 from fsdpctl.plan.render import describe, render_json, render_summary, render_text
 from infra.spec import load_spec
 
@@ -42,5 +44,11 @@ def cmd_plan(args: Any) -> int:
         error(f"Running the Pulumi program for {args.spec} offline (Pulumi mocks; no AWS calls)...")
     plan = run_offline(spec, expiry_time(spec))
     cost = estimate_cost(plan, prices)
-    say(render_json(plan, cost) if args.json else render_text(plan, cost))
+    fit = memory_fit(spec, args.trainer_config or spec.trainer.config)
+    if args.trainer_config and "skipped" in fit and "trainer is not installed" not in fit["skipped"]:
+        raise UsageError(f"--trainer-config {args.trainer_config}: {fit['skipped']}")
+    if args.json:
+        say(json.dumps({**json.loads(render_json(plan, cost)), "memory_fit": fit}, indent=2))
+    else:
+        say(render_text(plan, cost) + "\n" + render_fit(fit))
     return 0

@@ -220,3 +220,20 @@ def test_plan_text_says_what_keeps_billing_after_expiry():
     no_expiry = plan_of(expiry_hours=None)
     text = " ".join(render_text(no_expiry, estimate_cost(no_expiry, load_prices())).split())
     assert "No expiry (expiry_hours: null): everything above keeps billing" in text
+
+
+def test_plan_shows_the_trainer_configs_memory_fit_on_the_planned_gpus(capsys):
+    assert main(["plan", DEMO, "--trainer-config", "gpt-7b"]) == 0
+    out = capsys.readouterr().out
+    fit = " ".join(line.strip() for line in out[out.index("Memory fit"):].splitlines())
+    assert re.fullmatch(r"Memory fit \(fsdp-train --estimate\): trainer config gpt-7b on 32 x a100-40gb "
+                        r"needs [\d.]+ GiB per GPU of 36\.0 usable: fits", fit), fit
+    assert main(["plan", DEMO, "--json", "--trainer-config", "gpt-120b"]) == 0
+    fit = json.loads(capsys.readouterr().out)["memory_fit"]
+    assert fit["config"] == "gpt-120b" and fit["world_size"] == 32 and fit["fits"] is False
+    assert fit["per_rank_gib"] > fit["usable_gib"]
+
+
+def test_plan_refuses_an_unknown_trainer_config(capsys):
+    assert main(["plan", DEMO, "--trainer-config", "gpt-9000"]) == 2
+    assert "--trainer-config gpt-9000" in capsys.readouterr().err
