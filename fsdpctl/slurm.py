@@ -25,6 +25,7 @@ import json
 import re
 import shlex
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,8 @@ class TrainJob:
     overrides: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     max_requeues: int = MAX_REQUEUES
+    module_args: list[str] | None = None
+    """The trainer's command line verbatim (the smoke checks); None: built from the fields above."""
 
     @property
     def script_path(self) -> str:
@@ -81,6 +84,8 @@ class TrainJob:
         return f"{self.job_dir}/checkpoints"
 
     def trainer_args(self) -> list[str]:
+        if self.module_args is not None:
+            return list(self.module_args)
         args = ["-m", "trainer", "--config", self.config, "--checkpoint-dir", self.checkpoint_dir,
                 "--metrics-file", self.metrics_path, "--resume", "auto"]
         if self.steps is not None:
@@ -259,23 +264,33 @@ def submit(state: ClusterState, config: str, *, nodes: int | None = None, steps:
                              "name (tiny, smoke, gpt-1b, ...)")
         remote.copy_to(state, rank, local_config, f"{job_dir}/config.yaml")
         config = f"{job_dir}/config.yaml"
-    instance_gpus = spec.instance.gpus if state.read().target != "local" else 0
     job = TrainJob(name=name, job_dir=job_dir, config=config, nodes=nodes or available,
-                   nproc=nproc_per_node(state, spec), gpus=instance_gpus, venv=venv,
+                   nproc=nproc_per_node(state, spec), gpus=_gpus_per_node(state), venv=venv,
                    port=spec.trainer.master_port, steps=steps, checkpoint_interval=checkpoint_interval,
                    overrides=overrides, env=env or {}, max_requeues=max_requeues)
+    return submit_job(state, job), job
+
+
+def _gpus_per_node(state: ClusterState) -> int:
+    """GPUs a job asks for per node (--gres): the instance type's; local nodes have none."""
+    return 0 if state.read().target == "local" else state.spec().instance.gpus
+
+
+def submit_job(state: ClusterState, job: TrainJob) -> int:
+    """Write the job's batch script into its directory and sbatch it; returns the Slurm job id."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "job.sbatch"
         script.write_text(render_batch_script(job))
         script.chmod(0o755)
-        remote.copy_to(state, rank, script, job.script_path)
+        remote.copy_to(state, slurm_rank(state), script, job.script_path)
     result = run_slurm(state, f"sbatch --parsable {shlex.quote(job.script_path)}")
     job_id = int(result.stdout.strip().split(";")[0])
-    record = {"job_id": job_id, "name": name, "job_dir": job_dir, "config": config, "nodes": job.nodes,
-              "nproc_per_node": job.nproc, "steps": steps, "overrides": overrides,
+    record = {"job_id": job_id, "name": job.name, "job_dir": job.job_dir, "config": job.config,
+              "nodes": job.nodes, "nproc_per_node": job.nproc, "steps": job.steps,
+              "overrides": job.overrides,
               "submitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    run_slurm(state, f"echo {shlex.quote(json.dumps(record))} > {shlex.quote(job_dir)}/job.json")
-    return job_id, job
+    run_slurm(state, f"echo {shlex.quote(json.dumps(record))} > {shlex.quote(job.job_dir)}/job.json")
+    return job_id
 
 
 # One SSH round trip for `fsdpctl jobs`: every job directory's job.json, status and last metrics
@@ -383,3 +398,80 @@ def node_state(state: ClusterState, node_name: str) -> tuple[str, str]:
     result = run_slurm(state, f"sinfo --noheader --nodes {shlex.quote(node_name)} --format '%T|%E'")
     value, _, reason = result.stdout.strip().partition("|")
     return value, reason
+
+
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE"}
+POLL_S = 1.0
+
+
+class SlurmJob:
+    """A trainer run as a Slurm batch job, with the interface of checks.torchrun.TorchrunJob (the
+    smoke checks run either): exit codes by rank, worker pids and kills on one node, a failure text."""
+
+    def __init__(self, state: ClusterState, ranks: list[int], module_args: list[str], *, nproc: int,
+                 port: int, log_dir: Path, name: str, work_dir: str, env: dict[str, str] | None = None,
+                 max_requeues: int = MAX_REQUEUES):
+        self.state, self.ranks, self.name, self.log_dir = state, ranks, name, log_dir
+        self.job = TrainJob(name=name, job_dir=f"{work_dir}/{name}-job", config="", nodes=len(ranks),
+                            nproc=nproc, gpus=_gpus_per_node(state),
+                            venv=deployed_venv(state), port=port, env=env or {}, max_requeues=max_requeues,
+                            module_args=module_args)
+        run_slurm(state, f"mkdir -p {shlex.quote(self.job.job_dir)}")
+        self.job_id = submit_job(state, self.job)
+        self.agent_file = f"/tmp/fsdp-job-{self.job_id}.agent"
+
+    @property
+    def log_path(self) -> str:
+        return f"{self.job.job_dir}/slurm-{self.job_id}.out"
+
+    def poll(self) -> dict[int, int | None]:
+        state = job_state(self.state, self.job_id)
+        code = None if state not in FINISHED else (0 if state == "COMPLETED" else 1)
+        return {rank: code for rank in self.ranks}
+
+    def wait(self, timeout: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = self.poll()
+            if all(c is not None for c in codes.values()):
+                self._keep_log()
+                return {r: int(c or 0) for r, c in codes.items()}
+            time.sleep(POLL_S)
+        self.stop()
+        self._keep_log()
+        return {rank: remote.TIMEOUT_RC for rank in self.ranks}
+
+    def _node_name(self, rank: int) -> str:
+        return remote.node_by_rank(self.state, rank).name
+
+    def worker_pids(self, rank: int) -> set[int]:
+        proc = remote.run(self.state, rank, f"pgrep -P $(cat {self.agent_file} 2>/dev/null) 2>/dev/null",
+                          timeout=SLURM_TIMEOUT_S, check=False)
+        return {int(p) for p in proc.stdout.split() if p.isdigit()}
+
+    def kill_workers(self, rank: int) -> set[int]:
+        proc = remote.run(self.state, rank, f"pids=$(pgrep -P $(cat {self.agent_file})) && kill -KILL $pids "
+                          "&& echo $pids", timeout=SLURM_TIMEOUT_S)
+        return {int(p) for p in proc.stdout.split() if p.isdigit()}
+
+    def stop(self) -> None:
+        run_slurm(self.state, f"scancel {self.job_id}", check=False)
+
+    def _keep_log(self) -> None:
+        """A copy of Slurm's output of the job in the check's run directory."""
+        result = run_slurm(self.state, f"cat {shlex.quote(self.log_path)}", check=False)
+        (self.log_dir / f"{self.name}-slurm-{self.job_id}.out").write_text(result.stdout or "")
+
+    def log_tail(self, lines: int = 20) -> str:
+        path = self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def failure(self, codes: dict[int, int]) -> str | None:
+        if all(c == 0 for c in codes.values()):
+            return None
+        what = "timed out" if remote.TIMEOUT_RC in codes.values() else \
+            f"ended {job_state(self.state, self.job_id) or 'unsuccessfully'}"
+        kept = self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
+        return (f"Slurm job {self.job_id} {what} (log {kept}, {self.log_path} on the nodes):\n"
+                + self.log_tail())

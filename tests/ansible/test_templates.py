@@ -20,6 +20,10 @@ SET_FACTS = {
     "gpudirect_module": "efa_nv_peermem",
     "network_sysctls_skipped": {},
     "network_macaddress": "0a:1b:2c:3d:4e:5f",
+    "slurm_use_cgroup": True,
+    "slurm_hardware": {"results": [{"item": "node-0", "stdout_lines": ["NodeName=node-0 CPUs=96", "8"],
+                                    "stdout": "NodeName=node-0 CPUs=96 Boards=1 SocketsPerBoard=2 "
+                                              "CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1160000\n8"}]},
 }
 
 
