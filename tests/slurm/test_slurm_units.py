@@ -35,7 +35,8 @@ def test_batch_script_is_valid_bash_with_the_job_contract(tmp_path):
     assert directives == {
         "job-name": "tiny-run", "nodes": "2", "ntasks-per-node": "1", "exclusive": "", "requeue": "",
         "signal": "B:USR1@120", "open-mode": "append", "gres": "gpu:8",
-        "output": "/shared/fsdp-cluster/jobs/tiny-run/slurm-%j.out", "chdir": "/shared/fsdp-cluster/jobs/tiny-run"}
+        "output": "/shared/fsdp-cluster/jobs/tiny-run/slurm-%j.out",
+        "chdir": "/shared/fsdp-cluster/jobs/tiny-run"}
     # torchrun: the job's node count, the GPUs per node, c10d on the first node, no in-place restarts
     assert '"$VENV/bin/torchrun" --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE"' in text
     assert "NPROC_PER_NODE=8\n" in text and "RDZV_PORT=29500\n" in text
@@ -47,7 +48,8 @@ def test_batch_script_is_valid_bash_with_the_job_contract(tmp_path):
                     "/shared/fsdp-cluster/jobs/tiny-run/metrics.jsonl", "--resume", "auto", "--steps", "50",
                     "--checkpoint-interval", "10", "--set", "optim.lr=1e-3"]
     # the nccl role's environment, the USR1 trap forwarded to the step, the requeue status
-    assert "if [ -r /etc/fsdp-cluster/nccl.env ]; then set -a; . /etc/fsdp-cluster/nccl.env; set +a; fi" in text
+    nccl = "/etc/fsdp-cluster/nccl.env"
+    assert f"if [ -r {nccl} ]; then set -a; . {nccl}; set +a; fi" in text
     assert 'scancel --signal=USR1 "$SLURM_JOB_ID"\' USR1' in text
     assert "trap '' USR1\n    exec " in text  # torchrun starts with USR1 ignored
     assert f"REQUEUE_EXIT={slurm.REQUEUE_EXIT} " in text and f"MAX_REQUEUES={slurm.MAX_REQUEUES}\n" in text
@@ -89,7 +91,8 @@ def test_slurm_conf_from_inventory_and_hardware(p4d_node):
     hosts = variables["groups"]["nodes"]
     text = render_template("slurm", "slurm.conf.j2", variables)
     conf = [line for line in text.splitlines() if line and not line.startswith("#")]
-    settings = dict(line.split("=", 1) for line in conf if not line.startswith(("NodeName=", "PartitionName=")))
+    settings = dict(line.split("=", 1) for line in conf
+                    if not line.startswith(("NodeName=", "PartitionName=")))
     address = variables["hostvars"][hosts[0]]["ansible_host"]
     assert settings["SlurmctldHost"] == f"{hosts[0]}({address})"
     assert settings["SlurmctldPort"] == "6817" and settings["SlurmdPort"] == "6818"
@@ -101,7 +104,8 @@ def test_slurm_conf_from_inventory_and_hardware(p4d_node):
     assert nodes[0] == (f"NodeName={hosts[0]} NodeAddr={address} CPUs=96 Boards=1 SocketsPerBoard=2 "
                         "CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1160000 Gres=gpu:8 State=UNKNOWN")
     assert "Gres=" not in nodes[1]  # its slurmd -C probe found no /dev/nvidia*
-    assert conf[-1] == "PartitionName=train Nodes=ALL Default=YES MaxTime=INFINITE OverSubscribe=EXCLUSIVE State=UP"
+    assert conf[-1] == ("PartitionName=train Nodes=ALL Default=YES MaxTime=INFINITE OverSubscribe=EXCLUSIVE "
+                        "State=UP")
 
 
 def test_controller_moves_with_the_rank_and_containers_track_by_parentage(p4d_node):
