@@ -239,6 +239,14 @@ def _slurm_node(state: ClusterState, node_name: str, *, drain_reason: str | None
             slurm.drain(state, node_name, f"fsdpctl exclude: {drain_reason}")
             say(f"drained {node_name} in Slurm (running jobs finish, no new ones start there)")
         else:
+            if slurm.run_slurm(state, f"scontrol show node {node_name}", check=False).returncode:
+                # A configure while the node was excluded wrote slurm.conf without it: add it back
+                # on every node.
+                from fsdpctl.configure import run_configure
+
+                say(f"Slurm does not know {node_name}: `fsdpctl configure --tags slurm` on every node")
+                if not run_configure(state, tags="slurm").ok:
+                    raise CommandError("`fsdpctl configure --tags slurm` failed; run it again")
             slurm.resume(state, node_name)
             say(f"{node_name} is back in service in Slurm")
     except CommandError as e:
