@@ -123,6 +123,21 @@ def test_two_node_training_job_completes_and_loss_falls(cluster):
     assert sum(r["loss"] for r in lines[-5:]) < sum(r["loss"] for r in lines[:5])
     script = (shared(cluster) / "fsdp-cluster/jobs/tiny-2n/job.sbatch").read_text()
     assert "#SBATCH --requeue" in script
+    home, env = cluster
+    log = fsdpctl(home, "logs", str(job_id), env=env).stdout
+    assert f"job {job_id} run 0 on {NAME}-node[0-1]" in log and log.rstrip().endswith("completed")
+
+
+def test_cancelled_job_ends_without_a_requeue(cluster):
+    home, env = cluster
+    job_id = train(cluster, "--steps", "100000", "--name", "tiny-cancel")
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-cancel"
+    wait_for(lambda: steps(job_dir / "metrics.jsonl"), "the first step")
+    fsdpctl(home, "cancel", str(job_id), env=env)
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "CANCELLED" and r, "the cancel",
+                   timeout=180)
+    assert row["status"].startswith("cancelled")
+    assert "requeued" not in (job_dir / f"slurm-{job_id}.out").read_text()
 
 
 def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(cluster):
