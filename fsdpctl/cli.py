@@ -38,6 +38,10 @@ HANDLERS = {
     "exclude": "fsdpctl.lifecycle:cmd_exclude",
     "replace": "fsdpctl.lifecycle:cmd_replace",
     "extend": "fsdpctl.lifecycle:cmd_extend",
+    "train": "fsdpctl.train:cmd_train",
+    "jobs": "fsdpctl.jobs:cmd_jobs",
+    "logs": "fsdpctl.jobs:cmd_logs",
+    "cancel": "fsdpctl.jobs:cmd_cancel",
     "demo": "fsdpctl.cli:cmd_demo",
     "completion": "fsdpctl.cli:cmd_completion",
 }
@@ -162,6 +166,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("extend", "Move an aws cluster's expiry N hours later (the AWS-side schedules move with it).")
     sp.add_argument("--hours", type=int, required=True, metavar="N", help="hours to add to the expiry")
     yes_argument(sp, "keep the cluster billing longer")
+    sp = cmd("train", "Submit a training run to the cluster's Slurm as a requeueable batch job "
+             "(docs/slurm.md).")
+    sp.add_argument("config", metavar="CONFIG", help="trainer config: a shipped name (tiny, smoke, "
+                    "gpt-1b, ...) or a YAML file (copied next to the job)")
+    sp.add_argument("--nodes", type=int, metavar="N", help="nodes to train on (default: every usable node)")
+    sp.add_argument("--steps", type=int, metavar="S", help="optimizer steps (default: the config's)")
+    sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                    help="trainer config override, e.g. optim.lr=1e-3 (repeatable)")
+    sp.add_argument("--name", help="job name, also its directory on the shared file system "
+                    "(default: CONFIG-<UTC time>)")
+    sp.add_argument("--checkpoint-interval", type=int, metavar="STEPS",
+                    help="steps between checkpoints (default: the config's checkpoint.interval)")
+
+    sp = cmd("jobs", "List the training jobs: Slurm state, nodes, last step, loss, tokens/s.")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    sp = cmd("logs", "Print a training job's output (Slurm's slurm-JOB.out in the job's directory).")
+    sp.add_argument("job", type=int, metavar="JOB", help="the Slurm job id (`fsdpctl jobs`)")
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+
+    sp = cmd("cancel", "Cancel a training job (its workers get SIGTERM and checkpoint first).")
+    sp.add_argument("job", type=int, metavar="JOB", help="the Slurm job id (`fsdpctl jobs`)")
 
     sp = cmd("demo", "The main job on the local target: up -> configure -> deploy -> smoke -> down.",
              cluster=False)

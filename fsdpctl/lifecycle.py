@@ -243,12 +243,38 @@ def cmd_exclude(args: Namespace) -> int:
         [e for e in current.excluded if e.rank != args.rank] + [entry], key=lambda e: e.rank)})
     excluded = record.excluded
     say(f"excluded rank {args.rank} from cluster {state.name}: {reason}")
+    _slurm_node(state, next(n.name for n in record.nodes if n.rank == args.rank), drain_reason=reason)
     if len(excluded) < len(ranks):
         say(f"inventory rewritten without it: {write_inventory(state)}")
     else:
         state.inventory_path.unlink(missing_ok=True)  # a stale inventory would still list the node
         say("every node is now excluded; later stages have nothing to run on")
     return 0
+
+
+def _slurm_node(state: ClusterState, node_name: str, *, drain_reason: str | None) -> None:
+    """Drain a node in Slurm (`exclude`), or return it to service (`replace`), where Slurm runs."""
+    from fsdpctl import slurm
+
+    try:
+        if not slurm.slurm_configured(state):
+            return
+        if drain_reason is not None:
+            slurm.drain(state, node_name, f"fsdpctl exclude: {drain_reason}")
+            say(f"drained {node_name} in Slurm (running jobs finish, no new ones start there)")
+        else:
+            if slurm.run_slurm(state, f"scontrol show node {node_name}", check=False).returncode:
+                # A configure while the node was excluded wrote slurm.conf without it: add it back
+                # on every node.
+                from fsdpctl.configure import run_configure
+
+                say(f"Slurm does not know {node_name}: `fsdpctl configure --tags slurm` on every node")
+                if not run_configure(state, tags="slurm").ok:
+                    raise CommandError("`fsdpctl configure --tags slurm` failed; run it again")
+            slurm.resume(state, node_name)
+            say(f"{node_name} is back in service in Slurm")
+    except CommandError as e:
+        warn(f"Slurm did not take the change for {node_name}: {e}")
 
 
 def cmd_replace(args: Namespace) -> int:
@@ -288,6 +314,7 @@ def cmd_replace(args: Namespace) -> int:
             except DeployError as e:
                 raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
                                    "run `fsdpctl deploy`.") from None
+        _slurm_node(state, node.name, drain_reason=None)
     say(f"{node.name} replaced and configured" + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")
     return 0

@@ -57,6 +57,7 @@ class CheckContext:
     interfaces: dict[int, str] = field(default_factory=dict)
     bandwidth: dict[str, Any] | None = None
     training: dict[str, Any] = field(default_factory=dict)
+    slurm: bool = False  # Slurm runs on the cluster: the training checks run as Slurm jobs
 
     @property
     def nproc(self) -> int:

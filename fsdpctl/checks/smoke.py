@@ -42,6 +42,7 @@ from fsdpctl.checks.training import check_fsdp, check_recovery
 from fsdpctl.console import Out, say, stage
 from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.slurm import slurm_configured
 from fsdpctl.state import ClusterState, resolve
 
 CHECKS = ("inventory", "bandwidth", "fsdp", "monitoring", "recovery")
@@ -68,6 +69,9 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
     if not plots:
         out(f"note: {PLOTS_MISSING}")
     ctx = check_context(state, "smoke", steps=steps or 20, out=out)
+    ctx.slurm = bool(ctx.shared) and slurm_configured(state)
+    if ctx.slurm:
+        out("Slurm runs on the cluster: the fsdp and recovery checks run as Slurm jobs")
     spec, record, ranks, work_dir = ctx.spec, state.read(), ctx.ranks, ctx.work_dir
     started = datetime.now(UTC).isoformat(timespec="seconds")
     results: list[CheckResult] = []

@@ -14,6 +14,7 @@ from fsdpctl.checks.context import CheckContext, CheckError, CheckResult
 from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_jsonl, step_lines
 from fsdpctl.console import stage
 from fsdpctl.deploy import deployed_venv
+from fsdpctl.slurm import SlurmJob
 
 _log = stage("smoke")
 
@@ -49,15 +50,25 @@ def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[dict[str, 
         return []
 
 
+def _job(ctx: CheckContext, name: str, module_args: list[str], **kwargs: Any) -> TorchrunJob | SlurmJob:
+    """The check's training run: a Slurm batch job where Slurm runs (a failed run is requeued and
+    resumes from its checkpoint), else torchrun agents started over SSH (`--max-restarts`)."""
+    if not ctx.slurm:
+        return ctx.job(name, module_args, **kwargs)
+    kwargs.pop("max_restarts", None)
+    return SlurmJob(ctx.state, ctx.ranks, module_args, nproc=ctx.nproc, port=ctx.spec.trainer.master_port,
+                    log_dir=ctx.run_dir, name=name, work_dir=ctx.work_dir, **kwargs)
+
+
 def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     steps = ctx.steps
     interval = max(1, steps // 2)
     # Every rank writes into one checkpoint directory, so checkpoints need the shared file system.
     ckpt = f"{ctx.work_dir}/fsdp-checkpoints" if ctx.shared else None
     metrics = f"{ctx.work_dir}/fsdp-metrics.jsonl"
-    job = ctx.job("fsdp", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
-                                        metrics=metrics, resume="none"),
-                  env=nccl_network.NCCL_DEBUG_ENV if ctx.on_gpu else None)
+    job = _job(ctx, "fsdp", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
+                                         metrics=metrics, resume="none"),
+               env=nccl_network.NCCL_DEBUG_ENV if ctx.on_gpu else None)
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
         result.fail(f"training run failed: {failure}")
@@ -117,7 +128,7 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     if verified:
         resume_steps = steps + max(2, steps // 4)
         resumed_metrics = f"{ctx.work_dir}/fsdp-resume-metrics.jsonl"
-        job = ctx.job("fsdp-resume", trainer_args(ctx, steps=resume_steps, checkpoint_dir=ckpt,
+        job = _job(ctx, "fsdp-resume", trainer_args(ctx, steps=resume_steps, checkpoint_dir=ckpt,
                                                    interval=interval, metrics=resumed_metrics,
                                                    resume="auto"))
         failure = job.failure(job.wait(RUN_TIMEOUT_S))
@@ -162,12 +173,14 @@ def check_recovery(ctx: CheckContext, result: CheckResult) -> None:
         result.status = "skip"
         result.summary = "no shared file system: restarted ranks cannot load checkpoints"
         return
-    steps, interval = max(16, ctx.steps), 4
+    # Under Slurm every poll of the job is a round trip to the controller: a longer run keeps the
+    # kill inside it.
+    steps, interval = max(40 if ctx.slurm else 16, ctx.steps), 4
     ckpt, metrics = f"{ctx.work_dir}/recovery-checkpoints", f"{ctx.work_dir}/recovery-metrics.jsonl"
     victim = ctx.ranks[-1]
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store, gloo reconnects to the previous
     # round's addresses after a restart and the job hangs (pytorch/pytorch#135712).
-    job = ctx.job("recovery", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
+    job = _job(ctx, "recovery", trainer_args(ctx, steps=steps, checkpoint_dir=ckpt, interval=interval,
                                             metrics=metrics, resume="auto"),
                   max_restarts=3, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
@@ -191,7 +204,7 @@ def check_recovery(ctx: CheckContext, result: CheckResult) -> None:
                           f"{facts['recovery_time_s']:.1f} s; completed {steps} steps")
 
 
-def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob, victim: int, metrics: str,
+def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, victim: int, metrics: str,
                             interval: int) -> dict[str, Any]:
     """Wait for a checkpoint and a step after it, kill the victim's workers, and time the recovery:
     from the kill to the first metrics line written by the restarted workers.
@@ -199,7 +212,8 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob, victim: int, me
     Lines the old workers were still writing when the kill landed must not count: torchrun starts
     new workers only after a new rendezvous round, which every agent joins only after stopping its
     old workers; so once the victim has new worker pids, every later metrics line is the new
-    workers'."""
+    workers'. Under Slurm the kill fails the job's step, the batch script asks for a requeue, and the
+    requeued job's new workers resume from the checkpoint in the same way."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
         lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))

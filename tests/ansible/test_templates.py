@@ -22,6 +22,10 @@ SET_FACTS = {
     "network_macaddress": "0a:1b:2c:3d:4e:5f",
     "monitoring_volume": {"stdout_lines": ["1M-blocks", "  100000"]},
     "monitoring_retention_mb": 20000,
+    "slurm_use_cgroup": True,
+    "slurm_hardware": {"results": [{"item": "node-0", "stdout_lines": ["NodeName=node-0 CPUs=96", "8"],
+                                    "stdout": "NodeName=node-0 CPUs=96 Boards=1 SocketsPerBoard=2 "
+                                              "CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1160000\n8"}]},
 }
 
 

@@ -33,6 +33,8 @@ SUITE = "bookworm"
 BASE_PACKAGES = (
     "systemd", "systemd-sysv", "dbus", "openssh-server", "openssh-sftp-server", "python3",
     "python3-venv", "iproute2", "iputils-ping", "procps", "kmod", "sudo",
+    # The slurm role's `slurm_packages` (Debian slurm-wlm and munge; tests/slurm checks they match).
+    "munge", "slurm-client", "slurmctld", "slurmd",
 )
 # Bump when the customisation below changes, so cached images built the old way are not reused.
 RECIPE_VERSION = 2

@@ -1,0 +1,477 @@
+"""Training runs as Slurm jobs: the batch script `fsdpctl train` writes, and the Slurm commands
+`train`, `jobs`, `logs`, `cancel`, `exclude` and `replace` run on the cluster's first node.
+
+Every job gets a directory on the cluster's shared file system, `<shared>/fsdp-cluster/jobs/<name>`,
+that holds everything about it: the batch script (`job.sbatch`, which is also the per-node step),
+`job.json` (what was asked, and the Slurm job id), Slurm's output `slurm-<id>.out`, the trainer's
+`metrics.jsonl`, `checkpoints/`, and `status` (the batch script's last word: running, requeued,
+completed, cancelled or failed, and the step's exit status). Plain Slurm commands (squeue, scontrol,
+scancel) see the same jobs.
+
+Signals: the batch script traps SIGUSR1 (`--signal=B:USR1@120` before a time limit, or the spot
+watcher's `scancel --batch --signal=USR1`) and forwards it to the job's step with
+`scancel --signal=USR1`; slurmstepd delivers it to every process of the step, torchrun ignores it
+(it is started with SIGUSR1 ignored) and the trainer workers write a checkpoint and exit 0; the job
+is then requeued and resumes (`--resume auto`) wherever Slurm places it. `scancel` (and
+`fsdpctl cancel`) sends SIGTERM to every process of the job, which the trainer handles the same way;
+the job is not requeued. A training step that fails (a worker crashed, a node lost) ends the batch
+script with REQUEUE_EXIT, which slurm.conf's RequeueExit turns into a requeue, up to MAX_REQUEUES.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsdpctl import remote
+from fsdpctl.checks.context import nproc_per_node
+from fsdpctl.deploy import deployed_venv
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.state import ClusterState
+
+REQUEUE_EXIT = 75
+"""The batch script's exit status for "requeue me"; the slurm role's `slurm_requeue_exit` (RequeueExit)."""
+MAX_REQUEUES = 3
+"""Requeues after failed training steps before a job is left failed."""
+SIGNAL_LEAD_S = 120
+"""Seconds before a job's time limit at which its batch script gets SIGUSR1 (checkpoint and requeue)."""
+JOBS_DIR = "fsdp-cluster/jobs"
+"""Under the cluster's shared directory."""
+NCCL_ENV_FILE = "/etc/fsdp-cluster/nccl.env"
+"""The nccl role's environment file (absent where the role skipped, e.g. local nodes)."""
+SLURM_TIMEOUT_S = 30
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")
+
+
+@dataclass
+class TrainJob:
+    """What one `fsdpctl train` run asks Slurm for."""
+
+    name: str
+    job_dir: str
+    config: str
+    nodes: int
+    nproc: int
+    gpus: int
+    venv: str
+    port: int
+    steps: int | None = None
+    checkpoint_interval: int | None = None
+    overrides: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    max_requeues: int = MAX_REQUEUES
+    module_args: list[str] | None = None
+    """The trainer's command line verbatim (the smoke checks); None: built from the fields above."""
+
+    @property
+    def script_path(self) -> str:
+        return f"{self.job_dir}/job.sbatch"
+
+    @property
+    def metrics_path(self) -> str:
+        return f"{self.job_dir}/metrics.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return f"{self.job_dir}/checkpoints"
+
+    def trainer_args(self) -> list[str]:
+        if self.module_args is not None:
+            return list(self.module_args)
+        args = ["-m", "trainer", "--config", self.config, "--checkpoint-dir", self.checkpoint_dir,
+                "--metrics-file", self.metrics_path, "--resume", "auto"]
+        if self.steps is not None:
+            args += ["--steps", str(self.steps)]
+        if self.checkpoint_interval is not None:
+            args += ["--checkpoint-interval", str(self.checkpoint_interval)]
+        for override in self.overrides:
+            args += ["--set", override]
+        return args
+
+
+def render_batch_script(job: TrainJob) -> str:
+    """The sbatch script of a job: the batch part, and (with --node) the step each node runs."""
+    q = shlex.quote
+    gres = f"#SBATCH --gres=gpu:{job.gpus}\n" if job.gpus else ""
+    exports = "".join(f"export {k}={q(v)}\n" for k, v in sorted(job.env.items()))
+    return f"""#!/bin/bash
+# Written by `fsdpctl train` for job {job.name}; kept with its logs, metrics and checkpoints in
+# {job.job_dir}. Submitted with sbatch; each node's part of the step is this file run with --node.
+#SBATCH --job-name={job.name}
+#SBATCH --nodes={job.nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --requeue
+#SBATCH --signal=B:USR1@{SIGNAL_LEAD_S}
+#SBATCH --open-mode=append
+#SBATCH --output={job.job_dir}/slurm-%j.out
+#SBATCH --chdir={job.job_dir}
+{gres}set -u
+JOB_DIR={q(job.job_dir)}
+VENV={q(job.venv)}
+NPROC_PER_NODE={job.nproc}
+RDZV_PORT={job.port}
+MAX_REQUEUES={job.max_requeues}
+REQUEUE_EXIT={REQUEUE_EXIT}  # slurm.conf RequeueExit (the slurm role's slurm_requeue_exit)
+TRAINER_ARGS=({" ".join(q(a) for a in job.trainer_args())})
+
+# The NCCL/libfabric environment of the nccl role, where it wrote one.
+if [ -r {NCCL_ENV_FILE} ]; then set -a; . {NCCL_ENV_FILE}; set +a; fi
+export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+{exports}
+log() {{ echo "[fsdpctl $(date -u +%H:%M:%S)] $*"; }}
+node_address() {{ scontrol show node "$1" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p'; }}
+
+node_main() {{
+    # One task per node: a torchrun agent, c10d rendezvous on the job's first node. The node's
+    # cluster address (not its host name) is advertised, and gloo binds to the interface carrying it.
+    local addr iface
+    addr=$(node_address "$SLURMD_NODENAME")
+    iface=$(ip -o -4 addr show | awk -v a="$addr" 'index($4, a "/") == 1 {{print $2; exit}}')
+    if [ -n "$iface" ]; then export GLOO_SOCKET_IFNAME="${{GLOO_SOCKET_IFNAME:-$iface}}"; fi
+    # torchrun's pid (exec keeps it); its children are the trainer workers.
+    echo $$ > "/tmp/fsdp-job-$SLURM_JOB_ID.agent"
+    # Slurm signals every process of the step; torchrun has no SIGUSR1 handler and would die of it,
+    # so it starts with SIGUSR1 ignored, and the trainer workers install their own handler.
+    trap '' USR1
+    exec "$VENV/bin/torchrun" --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE" \\
+        --rdzv-backend c10d --rdzv-endpoint "$FSDP_HEAD_ADDR:$RDZV_PORT" \\
+        --rdzv-id "$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}" --local-addr "$addr" --max-restarts 0 \\
+        "${{TRAINER_ARGS[@]}}"
+}}
+
+batch_main() {{
+    local run=${{SLURM_RESTART_COUNT:-0}} step rc=0 signalled=""
+    FSDP_HEAD_ADDR=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
+    export FSDP_HEAD_ADDR
+    log "job $SLURM_JOB_ID run $run on $SLURM_JOB_NODELIST (rendezvous $FSDP_HEAD_ADDR:$RDZV_PORT)"
+    echo "running $run" > "$JOB_DIR/status"
+    # SIGUSR1 (time limit near, spot notice): the workers checkpoint and exit, then the job is requeued.
+    trap 'signalled=USR1; log "SIGUSR1: asking the workers to checkpoint"
+          scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
+    # SIGTERM (scancel): Slurm signals the workers itself; the job ends without a requeue.
+    trap 'signalled=TERM; log "SIGTERM: the job is cancelled"' TERM
+    srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash "$JOB_DIR/job.sbatch" --node &
+    step=$!
+    # wait returns early (status > 128) when a trap runs; wait again until the step has ended.
+    while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done
+    if [ "$signalled" = TERM ]; then
+        log "cancelled (step exit $rc)"; echo "cancelled $rc" > "$JOB_DIR/status"; exit 0
+    elif [ "$rc" -eq 0 ] && [ -z "$signalled" ]; then
+        log "completed"; echo "completed 0" > "$JOB_DIR/status"; exit 0
+    elif [ "$signalled" = USR1 ] || [ "$run" -lt "$MAX_REQUEUES" ]; then
+        log "step exit $rc${{signalled:+ after SIG$signalled}}: requeued (run $run, at most" \
+            "$MAX_REQUEUES requeues)"
+        echo "requeued $rc" > "$JOB_DIR/status"; exit "$REQUEUE_EXIT"
+    fi
+    log "step exit $rc after $run requeues: failed"; echo "failed $rc" > "$JOB_DIR/status"
+    [ "$rc" -eq "$REQUEUE_EXIT" ] && rc=1
+    exit "$rc"
+}}
+
+if [ "${{1:-}}" = --node ]; then node_main; else batch_main; fi
+"""
+
+
+def slurm_rank(state: ClusterState) -> int:
+    """The node the Slurm commands run on: the first non-excluded node (every node has the client)."""
+    nodes = remote.cluster_nodes(state)
+    if not nodes:
+        raise UsageError(f"cluster {state.name} has no (non-excluded) nodes: run `fsdpctl up` first")
+    return nodes[0].rank
+
+
+def run_slurm(state: ClusterState, command: str, *, check: bool = True, timeout: float = SLURM_TIMEOUT_S):
+    """A Slurm (or any) command on the cluster's first node; a missing Slurm says how to install it."""
+    result = remote.run(state, slurm_rank(state), command, timeout=timeout, check=False)
+    if result.returncode == 127 or "command not found" in (result.stderr or ""):
+        raise CommandError(f"Slurm is not installed on cluster {state.name}: run "
+                           "`fsdpctl configure --tags slurm` first (docs/slurm.md)")
+    if check and result.returncode:
+        output = (result.stderr or result.stdout).strip()[-800:]
+        raise CommandError(f"`{command}` on cluster {state.name} exited {result.returncode}: {output}. Is "
+                           "Slurm configured (`fsdpctl configure --tags slurm`; `fsdpctl ssh 0 -- sinfo`)?")
+    return result
+
+
+def slurm_configured(state: ClusterState) -> bool:
+    """Whether slurmctld answers (the smoke checks then run as Slurm jobs)."""
+    try:
+        result = remote.run(state, slurm_rank(state), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
+    except UsageError:
+        return False
+    return result.returncode == 0 and " is UP" in result.stdout
+
+
+def jobs_root(state: ClusterState) -> str:
+    shared = state.read().shared_dir
+    if not shared:
+        raise UsageError(f"cluster {state.name} has no shared file system: Slurm jobs keep their script, "
+                         "logs and checkpoints on it. Enable storage.fsx in the spec (the local target "
+                         "always has /shared)")
+    return f"{shared}/{JOBS_DIR}"
+
+
+def validate_request(*, name: str | None, nodes: int | None, steps: int | None, overrides: list[str],
+                     available: int, checkpoint_interval: int | None) -> None:
+    if name is not None and not _NAME.match(name):
+        raise UsageError(f"--name {name!r}: use 1-64 letters, digits, '.', '_' or '-' (it names the job "
+                         "and its directory), e.g. --name tiny-run1")
+    if nodes is not None and not 1 <= nodes <= available:
+        raise UsageError(f"--nodes {nodes}: the cluster has {available} usable node(s); pass --nodes 1 to "
+                         f"{available}")
+    if steps is not None and steps < 1:
+        raise UsageError(f"--steps {steps}: train for at least 1 step, e.g. --steps 100")
+    if checkpoint_interval is not None and checkpoint_interval < 1:
+        raise UsageError(f"--checkpoint-interval {checkpoint_interval}: at least 1 step, e.g. 50")
+    for override in overrides:
+        if not _OVERRIDE.match(override):
+            raise UsageError(f"--set {override!r}: expected KEY=VALUE with a dotted key, e.g. "
+                             "--set optim.lr=1e-3")
+
+
+def submit(state: ClusterState, config: str, *, nodes: int | None = None, steps: int | None = None,
+           overrides: list[str] | None = None, name: str | None = None,
+           checkpoint_interval: int | None = None, env: dict[str, str] | None = None,
+           max_requeues: int = MAX_REQUEUES) -> tuple[int, TrainJob]:
+    """Write the job's directory and batch script on the shared file system and sbatch it; returns
+    the Slurm job id and the job."""
+    overrides = list(overrides or [])
+    available = len(remote.cluster_nodes(state))
+    validate_request(name=name, nodes=nodes, steps=steps, overrides=overrides, available=available,
+                     checkpoint_interval=checkpoint_interval)
+    spec = state.spec()
+    venv = deployed_venv(state)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    local_config = Path(config)
+    name = name or f"{local_config.stem if local_config.suffix else config}-{stamp}"
+    job_dir = f"{jobs_root(state)}/{name}"
+    rank = slurm_rank(state)
+    exists = remote.run(state, rank, f"test -e {shlex.quote(job_dir)}", timeout=SLURM_TIMEOUT_S, check=False)
+    if exists.returncode == 0:
+        raise UsageError(f"a job named {name} already exists ({job_dir}); pick another --name")
+    if local_config.suffix in (".yaml", ".yml"):
+        if not local_config.is_file():
+            raise UsageError(f"trainer config {config}: no such file; give a YAML file or a shipped config "
+                             "name (tiny, smoke, gpt-1b, ...)")
+        remote.copy_to(state, rank, local_config, f"{job_dir}/config.yaml")
+        config = f"{job_dir}/config.yaml"
+    job = TrainJob(name=name, job_dir=job_dir, config=config, nodes=nodes or available,
+                   nproc=nproc_per_node(state, spec), gpus=_gpus_per_node(state), venv=venv,
+                   port=spec.trainer.master_port, steps=steps, checkpoint_interval=checkpoint_interval,
+                   overrides=overrides, env=env or {}, max_requeues=max_requeues)
+    return submit_job(state, job), job
+
+
+def _gpus_per_node(state: ClusterState) -> int:
+    """GPUs a job asks for per node (--gres): the instance type's; local nodes have none."""
+    return 0 if state.read().target == "local" else state.spec().instance.gpus
+
+
+def submit_job(state: ClusterState, job: TrainJob) -> int:
+    """Write the job's batch script into its directory and sbatch it; returns the Slurm job id."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "job.sbatch"
+        script.write_text(render_batch_script(job))
+        script.chmod(0o755)
+        remote.copy_to(state, slurm_rank(state), script, job.script_path)
+    result = run_slurm(state, f"sbatch --parsable {shlex.quote(job.script_path)}")
+    job_id = int(result.stdout.strip().split(";")[0])
+    record = {"job_id": job_id, "name": job.name, "job_dir": job.job_dir, "config": job.config,
+              "nodes": job.nodes, "nproc_per_node": job.nproc, "steps": job.steps,
+              "overrides": job.overrides,
+              "submitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    run_slurm(state, f"echo {shlex.quote(json.dumps(record))} > {shlex.quote(job.job_dir)}/job.json")
+    return job_id
+
+
+# One SSH round trip for `fsdpctl jobs`: every job directory's job.json, status and last metrics
+# line, merged with what slurmctld knows (squeue shows finished jobs for MinJobAge).
+_JOBS_PROBE = r"""python3 - <<'EOF' "$root"
+import glob, json, os, subprocess, sys
+root = sys.argv[1]
+queue = {}
+out = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i|%T|%D|%N|%r"],
+                     capture_output=True, text=True).stdout
+for line in out.splitlines():
+    parts = line.strip().split("|")
+    if len(parts) == 5:
+        queue[parts[0]] = {"state": parts[1], "node_count": parts[2], "node_list": parts[3],
+                           "reason": parts[4]}
+jobs = []
+for path in sorted(glob.glob(os.path.join(root, "*", "job.json"))):
+    try:
+        job = json.load(open(path))
+    except (OSError, ValueError):
+        continue
+    d = os.path.dirname(path)
+    try:
+        job["status"] = open(os.path.join(d, "status")).read().split()
+    except OSError:
+        job["status"] = []
+    last = None
+    try:
+        with open(os.path.join(d, "metrics.jsonl"), "rb") as f:
+            f.seek(max(0, os.path.getsize(f.name) - 65536))
+            for raw in f.read().splitlines():
+                try:
+                    row = json.loads(raw)
+                except ValueError:
+                    continue
+                if "step" in row and "event" not in row:
+                    last = row
+    except OSError:
+        pass
+    job["last"] = last
+    job["slurm"] = queue.get(str(job.get("job_id")))
+    jobs.append(job)
+print(json.dumps(jobs))
+EOF"""
+
+
+def list_jobs(state: ClusterState) -> list[dict[str, Any]]:
+    """Every job `fsdpctl train` submitted on the cluster, oldest first: Slurm state, nodes, last step,
+    loss and tokens/s (from its metrics file)."""
+    root = jobs_root(state)
+    result = run_slurm(state, f"root={shlex.quote(root)}; {_JOBS_PROBE}", timeout=60)
+    rows = []
+    for job in json.loads(result.stdout or "[]"):
+        slurm, status, last = job.get("slurm") or {}, job.get("status") or [], job.get("last") or {}
+        state_word = slurm.get("state") or (status[0].upper() if status else "UNKNOWN")
+        rows.append({"job_id": job["job_id"], "name": job["name"], "state": state_word,
+                     "nodes": slurm.get("node_list") or "", "node_count": job.get("nodes"),
+                     "reason": slurm.get("reason") if slurm.get("reason") not in (None, "None") else None,
+                     "status": " ".join(status) or None, "last_step": last.get("step"),
+                     "steps": job.get("steps"), "loss": last.get("loss"),
+                     "tokens_per_s": last.get("tokens_per_s"), "job_dir": job["job_dir"]})
+    return sorted(rows, key=lambda r: r["job_id"])
+
+
+def find_job(state: ClusterState, job_id: int) -> dict[str, Any]:
+    for job in list_jobs(state):
+        if job["job_id"] == job_id:
+            return job
+    raise UsageError(f"cluster {state.name} has no job {job_id} submitted by `fsdpctl train`; "
+                     "`fsdpctl jobs` lists them")
+
+
+def log_file(job: dict[str, Any]) -> str:
+    return f"{job['job_dir']}/slurm-{job['job_id']}.out"
+
+
+def job_state(state: ClusterState, job_id: int) -> str | None:
+    """The job's Slurm state (PENDING, RUNNING, COMPLETED, ...), None once slurmctld forgot it."""
+    result = run_slurm(state, f"squeue --noheader --states=all --jobs {job_id} --format %T", check=False)
+    words = result.stdout.split()
+    return words[0] if result.returncode == 0 and words else None
+
+
+def cancel(state: ClusterState, job_id: int) -> None:
+    find_job(state, job_id)
+    run_slurm(state, f"scancel {job_id}")
+
+
+def drain(state: ClusterState, node_name: str, reason: str) -> None:
+    """Take a node out of scheduling (running jobs finish; none start)."""
+    run_slurm(state, f"scontrol update nodename={shlex.quote(node_name)} state=DRAIN "
+              f"reason={shlex.quote(reason)}")
+
+
+def resume(state: ClusterState, node_name: str) -> None:
+    """Return a node to service (after `fsdpctl replace`)."""
+    result = run_slurm(state, f"scontrol update nodename={shlex.quote(node_name)} state=RESUME", check=False)
+    # A node that is not drained or down is already in service: nothing to undo.
+    if result.returncode and "Invalid node state specified" not in result.stderr:
+        raise CommandError(f"returning {node_name} to service in Slurm failed: {result.stderr.strip()}")
+
+
+def node_state(state: ClusterState, node_name: str) -> tuple[str, str]:
+    """(state, reason) of a node as sinfo reports them."""
+    result = run_slurm(state, f"sinfo --noheader --nodes {shlex.quote(node_name)} --format '%T|%E'")
+    value, _, reason = result.stdout.strip().partition("|")
+    return value, reason
+
+
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE"}
+POLL_S = 1.0
+
+
+class SlurmJob:
+    """A trainer run as a Slurm batch job, with the interface of checks.torchrun.TorchrunJob (the
+    smoke checks run either): exit codes by rank, worker pids and kills on one node, a failure text."""
+
+    def __init__(self, state: ClusterState, ranks: list[int], module_args: list[str], *, nproc: int,
+                 port: int, log_dir: Path, name: str, work_dir: str, env: dict[str, str] | None = None,
+                 max_requeues: int = MAX_REQUEUES):
+        self.state, self.ranks, self.name, self.log_dir = state, ranks, name, log_dir
+        self.job = TrainJob(name=name, job_dir=f"{work_dir}/{name}-job", config="", nodes=len(ranks),
+                            nproc=nproc, gpus=_gpus_per_node(state),
+                            venv=deployed_venv(state), port=port, env=env or {}, max_requeues=max_requeues,
+                            module_args=module_args)
+        run_slurm(state, f"mkdir -p {shlex.quote(self.job.job_dir)}")
+        self.job_id = submit_job(state, self.job)
+        self.agent_file = f"/tmp/fsdp-job-{self.job_id}.agent"
+
+    @property
+    def log_path(self) -> str:
+        return f"{self.job.job_dir}/slurm-{self.job_id}.out"
+
+    def poll(self) -> dict[int, int | None]:
+        state = job_state(self.state, self.job_id)
+        code = None if state not in FINISHED else (0 if state == "COMPLETED" else 1)
+        return {rank: code for rank in self.ranks}
+
+    def wait(self, timeout: float) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = self.poll()
+            if all(c is not None for c in codes.values()):
+                self._keep_log()
+                return {r: int(c or 0) for r, c in codes.items()}
+            time.sleep(POLL_S)
+        self.stop()
+        self._keep_log()
+        return {rank: remote.TIMEOUT_RC for rank in self.ranks}
+
+    def _node_name(self, rank: int) -> str:
+        return remote.node_by_rank(self.state, rank).name
+
+    def worker_pids(self, rank: int) -> set[int]:
+        proc = remote.run(self.state, rank, f"pgrep -P $(cat {self.agent_file} 2>/dev/null) 2>/dev/null",
+                          timeout=SLURM_TIMEOUT_S, check=False)
+        return {int(p) for p in proc.stdout.split() if p.isdigit()}
+
+    def kill_workers(self, rank: int) -> set[int]:
+        proc = remote.run(self.state, rank, f"pids=$(pgrep -P $(cat {self.agent_file})) && kill -KILL $pids "
+                          "&& echo $pids", timeout=SLURM_TIMEOUT_S)
+        return {int(p) for p in proc.stdout.split() if p.isdigit()}
+
+    def stop(self) -> None:
+        run_slurm(self.state, f"scancel {self.job_id}", check=False)
+
+    def _keep_log(self) -> None:
+        """A copy of Slurm's output of the job in the check's run directory."""
+        result = run_slurm(self.state, f"cat {shlex.quote(self.log_path)}", check=False)
+        (self.log_dir / f"{self.name}-slurm-{self.job_id}.out").write_text(result.stdout or "")
+
+    def log_tail(self, lines: int = 20) -> str:
+        path = self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def failure(self, codes: dict[int, int]) -> str | None:
+        if all(c == 0 for c in codes.values()):
+            return None
+        what = "timed out" if remote.TIMEOUT_RC in codes.values() else \
+            f"ended {job_state(self.state, self.job_id) or 'unsuccessfully'}"
+        kept = self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
+        return (f"Slurm job {self.job_id} {what} (log {kept}, {self.log_path} on the nodes):\n"
+                + self.log_tail())

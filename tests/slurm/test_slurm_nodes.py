@@ -1,0 +1,185 @@
+"""Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module):
+after `configure --tags slurm` every node is idle in sinfo and a second configure changes nothing;
+a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a node's workers killed
+mid-job make the job requeue and finish from its checkpoint; the spot watcher drains its node on a
+notice from an IMDS stand-in on the node's loopback; `fsdpctl exclude` drains the node.
+
+The tests run in file order (the last ones drain nodes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+NAME = "slurm-test"
+SUBNET = "198.18.20.0/24"  # the slurm area's subnet
+NODES = [f"{NAME}-node0", f"{NAME}-node1"]
+STANDIN = Path(__file__).with_name("imds_standin.py")
+JOB_TIMEOUT_S = 400
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Up, `configure --tags slurm`, deploy; torn down after the module whatever happens."""
+    require_local_prerequisites()
+    home = tmp_path_factory.mktemp("fsdpctl-home")
+    spec = home.parent / f"{NAME}.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
+        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
+        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}, "trainer": {"config": "tiny"}}))
+    env = {k: v for k, v in os.environ.items() if k == "FSDPCTL_CACHE"}
+    try:
+        fsdpctl(home, "up", str(spec), "--target", "local", "--nodes", "2", env=env, timeout=900)
+        fsdpctl(home, "configure", "--tags", "slurm", env=env, timeout=600)
+        fsdpctl(home, "deploy", env=env, timeout=900)
+        yield home, env
+    finally:
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, env=env, timeout=300, check=False)
+
+
+def ssh(cluster, rank: int, command: str, check: bool = True):
+    home, env = cluster
+    return fsdpctl(home, "ssh", str(rank), "--", command, env=env, check=check, timeout=120)
+
+
+def node_states(cluster) -> dict[str, tuple[str, str]]:
+    out = ssh(cluster, 0, "sinfo --noheader --Node --format '%N|%T|%E'").stdout
+    return {n: (s, r) for n, s, r in (line.split("|", 2) for line in out.splitlines() if "|" in line)}
+
+
+def shared(cluster) -> Path:
+    home, _ = cluster
+    return Path(read_state(home, NAME)["local"]["shared_host_dir"])
+
+
+def train(cluster, *args: str) -> int:
+    home, env = cluster
+    out = fsdpctl(home, "train", "tiny", "--nodes", "2", *args, env=env).stdout
+    return int(out.split("submitted job ")[1].split()[0])
+
+
+def job(cluster, job_id: int) -> dict:
+    home, env = cluster
+    rows = json.loads(fsdpctl(home, "jobs", "--json", env=env).stdout)
+    return next(r for r in rows if r["job_id"] == job_id)
+
+
+def wait_for(predicate, what: str, timeout: float = JOB_TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+def steps(metrics: Path) -> list[dict]:
+    if not metrics.exists():
+        return []
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in rows if "step" in r and "event" not in r]
+
+
+def test_every_node_is_idle_in_sinfo(cluster):
+    assert node_states(cluster) == {n: ("idle", "none") for n in NODES}
+    conf = ssh(cluster, 1, "cat /etc/slurm/slurm.conf").stdout
+    assert f"SlurmctldHost={NODES[0]}(" in conf and "ProctrackType=proctrack/linuxproc" in conf
+    # one munge key for the cluster, not the node image's
+    keys = {ssh(cluster, r, "sha256sum /etc/munge/munge.key").stdout.split()[0] for r in (0, 1)}
+    image_key = ssh(cluster, 0, "sha256sum /etc/fsdp-cluster/munge.key").stdout.split()[0]
+    assert keys == {image_key}
+
+
+def test_second_configure_changes_nothing(cluster):
+    home, env = cluster
+    fsdpctl(home, "configure", "--tags", "slurm", env=env, timeout=600)
+    hosts = read_state(home, NAME)["last_configure"]["hosts"]
+    assert {h: c["changed"] for h, c in hosts.items()} == {n: 0 for n in NODES}
+
+
+def test_two_node_training_job_completes_and_loss_falls(cluster):
+    job_id = train(cluster, "--steps", "20", "--checkpoint-interval", "10", "--name", "tiny-2n")
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "job completion")
+    assert row["last_step"] == 20 and row["status"] == "completed 0"
+    assert row["nodes"] == f"{NAME}-node[0-1]"
+    lines = steps(shared(cluster) / "fsdp-cluster/jobs/tiny-2n/metrics.jsonl")
+    assert [r["step"] for r in lines] == list(range(1, 21))
+    assert sum(r["loss"] for r in lines[-5:]) < sum(r["loss"] for r in lines[:5])
+    script = (shared(cluster) / "fsdp-cluster/jobs/tiny-2n/job.sbatch").read_text()
+    assert "#SBATCH --requeue" in script
+    home, env = cluster
+    log = fsdpctl(home, "logs", str(job_id), env=env).stdout
+    assert f"job {job_id} run 0 on {NAME}-node[0-1]" in log and log.rstrip().endswith("completed")
+
+
+def test_cancelled_job_ends_without_a_requeue(cluster):
+    home, env = cluster
+    job_id = train(cluster, "--steps", "100000", "--name", "tiny-cancel")
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-cancel"
+    wait_for(lambda: steps(job_dir / "metrics.jsonl"), "the first step")
+    fsdpctl(home, "cancel", str(job_id), env=env)
+    # Slurm marks the job CANCELLED at once; the batch script writes its status when its step ended.
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "CANCELLED"
+                   and (r["status"] or "").startswith("cancelled") and r, "the cancel", timeout=180)
+    assert row["last_step"] < 100000
+    assert "requeued" not in (job_dir / f"slurm-{job_id}.out").read_text()
+
+
+def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(cluster):
+    job_id = train(cluster, "--steps", "60", "--checkpoint-interval", "5", "--name", "tiny-kill")
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-kill"
+    wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
+    killed = ssh(cluster, 1, f"pids=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent)) && kill -KILL $pids && "
+                 "echo $pids").stdout.split()
+    assert killed
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the requeued job")
+    assert row["last_step"] == 60 and row["status"] == "completed 0"
+    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    assert "requeued (run 0" in log and f"job {job_id} run 1 on" in log
+    assert "checkpoint: resumed from" in log
+    numbers = [r["step"] for r in steps(job_dir / "metrics.jsonl")]
+    restart = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
+    assert numbers[restart] % 5 == 1  # the requeued run starts right after a checkpoint
+    assert numbers[restart:] == list(range(numbers[restart], 61))
+
+
+def test_spot_watcher_drains_its_node_on_a_notice(cluster):
+    home, env = cluster
+    ssh(cluster, 1, f"cat > /tmp/imds_standin.py <<'EOF'\n{STANDIN.read_text()}\nEOF\n"
+        "rm -f /tmp/spot-notice.json; (setsid nohup python3 /tmp/imds_standin.py --port 18080 "
+        "--notice /tmp/spot-notice.json > /tmp/imds.log 2>&1 &)")
+    fsdpctl(home, "configure", "--tags", "slurm", "--limit", NODES[1],
+            "-e", "slurm_spot_watcher_enabled=true", "-e", "slurm_spot_watcher_endpoint=http://127.0.0.1:18080",
+            "-e", "slurm_spot_watcher_interval=1", env=env, timeout=600)
+    assert ssh(cluster, 1, "systemctl is-active fsdp-spot-watcher").stdout.strip() == "active"
+    time.sleep(3)
+    assert node_states(cluster)[NODES[1]] == ("idle", "none")  # no notice yet: nothing happens
+    notice = '{"action": "terminate", "time": "2026-12-03T08:00:00Z"}'
+    ssh(cluster, 1, f"echo '{notice}' > /tmp/spot-notice.json")
+    _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
+                             "the drain", timeout=60)
+    assert reason.startswith('spot interruption notice: {"action": "terminate"')
+    ssh(cluster, 1, f"systemctl stop fsdp-spot-watcher; scontrol update nodename={NODES[1]} state=RESUME")
+
+
+def test_exclude_drains_the_node_with_the_reason(cluster):
+    home, env = cluster
+    result = fsdpctl(home, "exclude", "1", "--reason", "ECC errors", env=env)
+    assert f"drained {NODES[1]} in Slurm" in result.stdout
+    assert node_states(cluster)[NODES[1]] == ("drained", "fsdpctl exclude: ECC errors")
