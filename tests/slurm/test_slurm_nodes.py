@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -157,6 +158,24 @@ def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(clust
     restart = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
     assert numbers[restart] % 5 == 1  # the requeued run starts right after a checkpoint
     assert numbers[restart:] == list(range(numbers[restart], 61))
+
+
+def test_sigusr1_checkpoints_at_the_next_step_and_the_requeued_job_goes_on_from_there(cluster):
+    """The warning a time limit or the spot watcher gives (SIGUSR1 to the batch script): the workers
+    save at the step they are in and exit, the job is requeued and resumes right after that step."""
+    job_id = train(cluster, "--steps", "40", "--checkpoint-interval", "1000", "--name", "tiny-usr1")
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-usr1"
+    wait_for(lambda: steps(job_dir / "metrics.jsonl"), "the first step")
+    ssh(cluster, 0, f"scancel --batch --signal=USR1 {job_id}")  # what the spot watcher sends
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the requeued job")
+    assert row["last_step"] == 40 and row["status"] == "completed 0"
+    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    assert "SIGUSR1: asking the workers to checkpoint" in log, log[-3000:]
+    assert "after SIGUSR1: requeued" in log, log[-3000:]
+    stop = int(re.search(r"stop: checkpoint of step (\d+) saved and verified", log).group(1))
+    assert f"/checkpoints/step_{stop:08d} (step {stop})" in log.split("after SIGUSR1: requeued")[1]
+    # every step once: nothing done before the signal is redone or lost
+    assert [r["step"] for r in steps(job_dir / "metrics.jsonl")] == list(range(1, 41))
 
 
 def test_spot_watcher_drains_its_node_on_a_notice(cluster):
