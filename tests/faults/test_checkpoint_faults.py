@@ -6,6 +6,7 @@ checkpoint that verifies and continues with the losses of an uninterrupted run."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,19 @@ def test_a_full_file_system_during_a_save_stops_training_cleanly_and_the_last_ch
     assert after[-6:] == straight_run[-6:]
 
 
+@contextlib.contextmanager
+def training(argv: list[str]) -> Iterator[subprocess.Popen]:
+    """The trainer running in the background for the test's body; killed if the body fails."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=worker_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -107,9 +122,7 @@ def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180
 def test_checkpoints_deleted_and_truncated_while_training_the_next_save_succeeds_and_resume_verifies(
         tmp_path, straight_run, fault):
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    proc = subprocess.Popen(trainer(8, checkpoints, metrics, "--set", "checkpoint.keep_last=8"), cwd=REPO,
-                            env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
+    with training(trainer(8, checkpoints, metrics, "--set", "checkpoint.keep_last=8")) as proc:
         _wait_for(lambda: (checkpoints / "step_00000002" / "manifest.json").exists(), proc, "checkpoint 2")
         shutil.rmtree(checkpoints)
         fault.inject("checkpoint directory deleted while training")
@@ -118,10 +131,6 @@ def test_checkpoints_deleted_and_truncated_while_training_the_next_save_succeeds
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
         fault.inject("a shard of the newest checkpoint truncated while training")
         _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, stderr[-3000:]
     names = [p.name for p in committed(checkpoints)]
     assert names == ["step_00000004", "step_00000006", "step_00000008"], names
@@ -143,11 +152,8 @@ def test_sigterm_to_the_trainer_checkpoints_at_the_step_boundary_exits_0_and_res
     """SIGTERM to the training processes (what `scancel` and a spot drain send to every process of a
     job step): each finishes its step, they save one verified checkpoint at the same step and exit 0."""
     checkpoints, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    proc = subprocess.Popen(trainer(8, checkpoints, metrics, "--checkpoint-interval", "100", "--set",
-                                    "metrics.log_interval=1", "--steps", "400"),
-                            cwd=REPO, env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)
-    try:
+    with training(trainer(8, checkpoints, metrics, "--checkpoint-interval", "100", "--set",
+                          "metrics.log_interval=1", "--steps", "400")) as proc:
         _wait_for(lambda: metrics.exists() and len(step_metrics(metrics)) >= 3, proc, "3 steps")
         workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                  text=True).stdout.split()
@@ -156,10 +162,6 @@ def test_sigterm_to_the_trainer_checkpoints_at_the_step_boundary_exits_0_and_res
             os.kill(int(pid), signal.SIGTERM)
         fault.inject("SIGTERM to both trainer processes mid-run")
         _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, stderr[-3000:]
     saved = committed(checkpoints)
     assert len(saved) == 1, saved
