@@ -313,31 +313,31 @@ def analyse_resume(step_dir: Path, out: dict, _peak: float | None, ctx: dict) ->
             fail(out, "the CUDA RNG state was not restored by the resume")
 
 
-def analyse_throughput(step_dir: Path, out: dict, _peak: float | None, _ctx: dict) -> None:
-    result = read_json(step_dir / "result.json")
+def _step_result(step_dir: Path, out: dict, producer: str) -> dict | None:
+    """The step's result.json; None (after recording the failure) when a step that ran left none."""
     if out["status"] == "skipped":
-        return
+        return None
+    result = read_json(step_dir / "result.json")
     if result is None:
-        fail(out, "no result.json from bench/trainer_throughput.py")
+        fail(out, f"no result.json from {producer}")
+    return result
+
+
+def analyse_throughput(step_dir: Path, out: dict, _peak: float | None, _ctx: dict) -> None:
+    result = _step_result(step_dir, out, "bench/trainer_throughput.py")
+    if result is None:
         return
     nproc = result.get("nproc", 1)
-    out.update(nproc=nproc, config=result.get("config"), runs=result.get("runs"))
-    if nproc >= 2:
-        out["fsdp2_over_ddp"] = result.get("fsdp2_over_ddp")
-        out["ratio_meaningful"] = True
-    else:
-        out["fsdp2_over_ddp"] = result.get("fsdp2_over_ddp")
-        out["ratio_meaningful"] = False
+    out.update(nproc=nproc, config=result.get("config"), runs=result.get("runs"),
+               fsdp2_over_ddp=result.get("fsdp2_over_ddp"), ratio_meaningful=nproc >= 2)
+    if nproc < 2:
         out["note"] = ("one rank: FSDP2 has nothing to shard and DDP nothing to all-reduce, so the ratio is "
                        "not meaningful; the figures are single-GPU throughput")
 
 
 def analyse_collectives(step_dir: Path, out: dict, _peak: float | None, _ctx: dict) -> None:
-    result = read_json(step_dir / "result.json")
-    if out["status"] == "skipped":
-        return
+    result = _step_result(step_dir, out, "trainer.collectives")
     if result is None:
-        fail(out, "no result.json from trainer.collectives")
         return
     out.update(backend=result.get("backend"), world_size=result.get("world_size"),
                peak_busbw_gbps=result.get("peak_busbw_gbps"),
