@@ -11,6 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from trainer import side_groups
 from trainer.config import DistributedConfig
 
 
@@ -59,6 +60,7 @@ def init_distributed(cfg: DistributedConfig) -> Runtime:
     else:
         device, backend = torch.device("cpu"), "gloo"
     timeout = timedelta(seconds=cfg.timeout_s)
+    side_groups.collective_timeout = timeout
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if use_cuda else None)

@@ -16,6 +16,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from trainer.side_groups import side_group
+
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
@@ -24,7 +26,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int = 0
-        self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._group = side_group() if dist.is_initialized() else None
         self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:

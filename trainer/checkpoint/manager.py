@@ -42,6 +42,7 @@ from trainer.checkpoint.manifest import (
     verify_checkpoint,
 )
 from trainer.checkpoint.mirror import S3Location
+from trainer.side_groups import side_group
 
 
 class _Group:
@@ -51,7 +52,7 @@ class _Group:
 
     def __init__(self) -> None:
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.pg = dist.new_group(backend="gloo") if self.distributed else None
+        self.pg = side_group() if self.distributed else None
 
     def broadcast(self, obj: Any) -> Any:
         if not self.distributed:
