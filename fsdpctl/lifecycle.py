@@ -241,14 +241,15 @@ def cmd_exclude(args: Namespace) -> int:
                       time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
     record = state.change(lambda current: {"excluded": sorted(
         [e for e in current.excluded if e.rank != args.rank] + [entry], key=lambda e: e.rank)})
-    excluded = record.excluded
     say(f"excluded rank {args.rank} from cluster {state.name}: {reason}")
     _slurm_node(state, next(n.name for n in record.nodes if n.rank == args.rank), drain_reason=reason)
-    if len(excluded) < len(ranks):
-        say(f"inventory rewritten without it: {write_inventory(state)}")
-    else:
-        state.inventory_path.unlink(missing_ok=True)  # a stale inventory would still list the node
-        say("every node is now excluded; later stages have nothing to run on")
+    # another exclude may have taken the last nodes since: decide on the state as it is now
+    if state.read().active_nodes():
+        with contextlib.suppress(UsageError):  # ... or between this read and the rewrite
+            say(f"inventory rewritten without it: {write_inventory(state)}")
+            return 0
+    state.inventory_path.unlink(missing_ok=True)  # a stale inventory would still list the node
+    say("every node is now excluded; later stages have nothing to run on")
     return 0
 
 
