@@ -303,8 +303,13 @@ def cmd_replace(args: Namespace) -> int:
         # configured and deployed.
         record = state.change(lambda now: {"excluded": [e for e in now.excluded if e.rank != args.rank]})
         write_inventory(state)
-        configured = run_configure(state, limit=node.name)
-        if not configured.ok:
+        # The new node is brought to where the others are: a cluster never configured stays so (the
+        # roles on one node of it would wait for services, such as slurmctld, the others never got).
+        configured = run_configure(state, limit=node.name) if record.last_configure else None
+        if configured is None:
+            say(f"cluster {state.name} was never configured: {node.name} is left as booted (`fsdpctl "
+                "configure` configures every node)")
+        elif not configured.ok:
             print_summary(configured)
             raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "
                                f"{configured.run_dir}). Fix it, then run `fsdpctl configure --limit "
@@ -316,7 +321,8 @@ def cmd_replace(args: Namespace) -> int:
                 raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
                                    "run `fsdpctl deploy`.") from None
         _slurm_node(state, node.name, drain_reason=None)
-    say(f"{node.name} replaced and configured" + (", and the trainer deployed" if record.deploy else "")
+    say(f"{node.name} replaced" + (" and configured" if configured else "")
+        + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")
     return 0
 
