@@ -28,6 +28,10 @@ NAME = "hw-shape"
 SUBNET = "198.18.40.0/24"
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 HARDWARE_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect", "storage")
+# What the two configure runs apply: the base roles and the hardware ones. The slurm and monitoring
+# roles run on plain local nodes (tests/slurm, tests/monitoring); this layer has no stand-ins for
+# DCGM and its exporter, which the monitoring role would install on a GPU node.
+CONFIGURED_ROLES = ("common", "cluster_ssh", "network", "limits", *HARDWARE_ROLES)
 EXTRA_VARS = {
     "fsdp_sysfs_root": dlami.SHAPE,  # hardware_facts reads the shaped tree
     "fsdp_offline": False,  # the local apt repository is the node's package source
@@ -108,14 +112,14 @@ def check_mode(cluster):
 def first_run(cluster, check_mode):
     home, _ = cluster
     extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
-    return fsdpctl(home, "configure", *extra, check=False)
+    return fsdpctl(home, "configure", "--tags", ",".join(CONFIGURED_ROLES), *extra, check=False)
 
 
 @pytest.fixture(scope="module")
 def second_run(cluster, first_run):
     home, _ = cluster
     extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
-    return fsdpctl(home, "configure", *extra, check=False)
+    return fsdpctl(home, "configure", "--tags", ",".join(CONFIGURED_ROLES), *extra, check=False)
 
 
 def test_check_mode_on_the_fresh_image_fails_nowhere(check_mode):
