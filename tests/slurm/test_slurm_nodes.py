@@ -143,7 +143,10 @@ def test_cancelled_job_ends_without_a_requeue(cluster):
 
 
 def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(cluster):
-    job_id = train(cluster, "--steps", "60", "--checkpoint-interval", "5", "--name", "tiny-kill")
+    # a record per step (the default log interval of 10 would leave the steps after the last flush
+    # unlogged when the workers are killed)
+    job_id = train(cluster, "--steps", "60", "--checkpoint-interval", "5", "--name", "tiny-kill",
+                   "--set", "metrics.log_interval=1")
     job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-kill"
     wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
     killed = ssh(cluster, 1, f"pids=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent)) && kill -KILL $pids && "
