@@ -9,7 +9,7 @@ from typing import Any
 
 from fsdpctl import remote
 from fsdpctl.checks.torchrun import TorchrunJob, stop_leftover_jobs
-from fsdpctl.console import Out
+from fsdpctl.console import Out, say
 from fsdpctl.state import ClusterState
 from infra.spec import ClusterSpec
 
@@ -74,7 +74,7 @@ class CheckContext:
                            interfaces=self.interfaces, **kwargs)
 
 
-def check_context(state: ClusterState, kind: str, *, steps: int, out: Out) -> CheckContext:
+def check_context(state: ClusterState, kind: str, *, steps: int, out: Out = say) -> CheckContext:
     """A context for runs on every non-excluded node, with a fresh run dir (logs, report) under the
     cluster's reports and a work dir on the nodes (shared when the cluster has a shared file system).
     Jobs that an earlier, killed check left on the nodes are stopped first (the caller holds the
