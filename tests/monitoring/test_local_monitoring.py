@@ -147,8 +147,10 @@ def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):
 
 
 def test_smoke_report_carries_the_monitoring_check(home):
+    # 40 steps: with Slurm up the fsdp run is a batch job whose steps pass quickly; the leak fit needs
+    # 4 scraped steps after the warm-up quarter, at one scrape a second
     result = fsdpctl(home, "smoke", "--cluster", NAME, "--skip", "bandwidth", "--skip", "recovery",
-                     "--steps", "16", timeout=900, check=False)
+                     "--steps", "40", timeout=900, check=False)
     run_dir = sorted((home / "reports" / NAME).glob("*-smoke"))[-1]
     report = json.loads((run_dir / "report.json").read_text())
     check = next(c for c in report["checks"] if c["name"] == "monitoring")
