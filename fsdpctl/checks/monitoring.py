@@ -53,13 +53,15 @@ def least_squares_slope(points: Iterable[tuple[float, float]]) -> float:
 
 
 def after_warmup(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """(step, value) points past warm-up: the first WARMUP_FRACTION of the steps (at least
-    WARMUP_MIN_STEPS) fill allocator caches, optimizer state and data buffers once."""
+    """(step, value) points past warm-up: the first WARMUP_FRACTION of the series' steps (at least
+    WARMUP_MIN_STEPS) fill allocator caches, optimizer state and data buffers once. Counted from
+    the series' first step, not step 0: a job resumed at step 41 warms up again."""
     if not points:
         return []
+    first = min(x for x, _ in points)
     last = max(x for x, _ in points)
-    warmup = max(WARMUP_MIN_STEPS, int(last * WARMUP_FRACTION))
-    return [(x, y) for x, y in points if x > warmup]
+    warmup_end = first + max(WARMUP_MIN_STEPS, int((last - first + 1) * WARMUP_FRACTION))
+    return [(x, y) for x, y in points if x >= warmup_end]
 
 
 def leak_verdict(points: list[tuple[float, float]], bound_mib: float) -> dict[str, Any]:

@@ -47,6 +47,9 @@ def test_warmup_is_a_quarter_of_the_steps_and_at_least_two():
     assert min(x for x, _ in after_warmup(points)) == 11
     assert min(x for x, _ in after_warmup(points[:6])) == 3
     assert after_warmup([]) == []
+    # A job resumed at step 41 warms up again: its own first quarter, not steps 1-12 of the run.
+    resumed = [(s, 0.0) for s in range(41, 51)]
+    assert min(x for x, _ in after_warmup(resumed)) == 43
 
 
 def _series(per_step_mib: float, steps: int = 40, noise_mib: float = 0.0) -> list[tuple[float, float]]:
