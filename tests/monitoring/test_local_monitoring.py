@@ -32,7 +32,11 @@ NAME = "mon-test"
 SUBNET = "198.18.30.0/24"  # the monitoring area's subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 REPO = Path(__file__).resolve().parents[2]
-LEAK_STEPS = 24
+# The leak fit needs MIN_FIT_STEPS distinct steps scraped (1 s apart) after the warm-up quarter. A
+# smoke-model step takes ~0.1 s on a quiet 2-core host (24 steps gave 3 scraped steps in CI), so the
+# run is made longer and heavier: 60 steps of 4x the batch, ~0.25 s each, ~11 s after warm-up.
+LEAK_STEPS = 60
+LEAK_BATCH = 64
 LEAK_MIB_PER_STEP = 8
 # Exported only where the hardware is (dcgm-exporter's default counters on GPU nodes; the EFA
 # script's counters on EFA nodes, whose format test_units checks): absent from a local run.
@@ -93,7 +97,8 @@ def leak_run(state):
     args = trainer_args(ctx, steps=LEAK_STEPS, checkpoint_dir=None, interval=1,
                         metrics=f"{ctx.work_dir}/leak-metrics.jsonl", resume="none")
     started = time.time()
-    job = ctx.job("leak", [*args, "--set", f"metrics.fault_leak_mib_per_step={LEAK_MIB_PER_STEP}",
+    job = ctx.job("leak", [*args, "--set", f"training.global_batch_size={LEAK_BATCH}",
+                           "--set", f"metrics.fault_leak_mib_per_step={LEAK_MIB_PER_STEP}",
                            "--set", "metrics.fault_leak_rank=1"])
     try:
         with Prometheus(state) as prom:
@@ -147,10 +152,10 @@ def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):
 
 
 def test_smoke_report_carries_the_monitoring_check(home):
-    # 40 steps: with Slurm up the fsdp run is a batch job whose steps pass quickly; the leak fit needs
-    # 4 scraped steps after the warm-up quarter, at one scrape a second
+    # 100 steps: with Slurm up the fsdp run is a batch job whose steps pass quickly (~0.15 s); the leak
+    # fit needs 4 scraped steps after the warm-up quarter, at one scrape a second
     result = fsdpctl(home, "smoke", "--cluster", NAME, "--skip", "bandwidth", "--skip", "recovery",
-                     "--steps", "40", timeout=900, check=False)
+                     "--steps", "100", timeout=900, check=False)
     run_dir = sorted((home / "reports" / NAME).glob("*-smoke"))[-1]
     report = json.loads((run_dir / "report.json").read_text())
     check = next(c for c in report["checks"] if c["name"] == "monitoring")
