@@ -461,17 +461,23 @@ class SlurmJob:
     def _keep_log(self) -> None:
         """A copy of Slurm's output of the job in the check's run directory."""
         result = run_slurm(self.state, f"cat {shlex.quote(self.log_path)}", check=False)
-        (self.log_dir / f"{self.name}-slurm-{self.job_id}.out").write_text(result.stdout or "")
+        self._kept_log.write_text(result.stdout or "")
+
+    @property
+    def _kept_log(self) -> Path:
+        return self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
+
+    def logs(self) -> str:
+        """The finished job's output: srun gathers every node's torchrun output into Slurm's one file."""
+        return self._kept_log.read_text(errors="replace") if self._kept_log.exists() else ""
 
     def log_tail(self, lines: int = 20) -> str:
-        path = self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+        return "\n".join(self.logs().splitlines()[-lines:])
 
     def failure(self, codes: dict[int, int]) -> str | None:
         if all(c == 0 for c in codes.values()):
             return None
         what = "timed out" if remote.TIMEOUT_RC in codes.values() else \
             f"ended {job_state(self.state, self.job_id) or 'unsuccessfully'}"
-        kept = self.log_dir / f"{self.name}-slurm-{self.job_id}.out"
-        return (f"Slurm job {self.job_id} {what} (log {kept}, {self.log_path} on the nodes):\n"
+        return (f"Slurm job {self.job_id} {what} (log {self._kept_log}, {self.log_path} on the nodes):\n"
                 + self.log_tail())

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from fsdpctl.checks.torchrun import TorchrunJob
+from typing import Any
 
 # What a torch run on GPU nodes is started with so its log shows the network NCCL chose.
 NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
@@ -50,12 +47,6 @@ class NcclNetwork:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def job_logs(job: TorchrunJob) -> str:
-    """Every node's log of a finished torchrun job, concatenated."""
-    paths = [job.log_dir / f"{job.name}-node{rank}.log" for rank in job.ranks]
-    return "\n".join(p.read_text(errors="replace") for p in paths if p.exists())
 
 
 def parse_nccl_network(log: str) -> NcclNetwork:

@@ -106,6 +106,11 @@ class TorchrunJob:
                     proc.kill()
                     proc.wait()
 
+    def logs(self) -> str:
+        """Every node's log of the finished job, concatenated."""
+        paths = [self.log_dir / f"{self.name}-node{rank}.log" for rank in self.ranks]
+        return "\n".join(p.read_text(errors="replace") for p in paths if p.exists())
+
     def log_tail(self, rank: int, lines: int = 20) -> str:
         path = self.log_dir / f"{self.name}-node{rank}.log"
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""

@@ -79,7 +79,7 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(lines)}
     problems, facts = [], {"steps": len(lines), "world_size": len(ctx.ranks) * ctx.nproc}
     if ctx.on_gpu:  # EFA instances must train over aws-ofi-nccl on EFA, with GPUDirect RDMA
-        network = nccl_network.parse_nccl_network(nccl_network.job_logs(job))
+        network = nccl_network.parse_nccl_network(job.logs())
         facts["nccl_network"] = network.as_dict()
         problems += nccl_network.network_problems(network, efa_interfaces=ctx.spec.instance.efa_interfaces,
                                                   multi_node=len(ctx.ranks) > 1)

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
-from fsdpctl.checks.nccl_network import job_logs, network_problems, parse_nccl_network
+from fsdpctl.checks.nccl_network import network_problems, parse_nccl_network
+from fsdpctl.checks.torchrun import TorchrunJob
+from fsdpctl.slurm import SlurmJob
 
 HOST = "ip-10-1-0-5:1929:1937 [0]"
 INIT = f"""{HOST} NCCL INFO NCCL version 2.29.3+cuda12.9
@@ -76,8 +77,26 @@ def test_a_log_without_nccl_debug_fails_and_non_efa_instances_are_not_gated():
     assert network_problems(parse_nccl_network(""), efa_interfaces=0, multi_node=True) == []
 
 
-def test_job_logs_reads_every_nodes_log(tmp_path: Path):
+def _finished(cls, tmp_path: Path, **attrs):
+    """A job object as it is once its run ended (the constructors start the run on the nodes)."""
+    job = object.__new__(cls)
+    vars(job).update(log_dir=tmp_path, name="fsdp", ranks=[0, 1], **attrs)
+    return job
+
+
+def test_a_torchrun_jobs_logs_are_every_nodes_log(tmp_path: Path):
     (tmp_path / "fsdp-node0.log").write_text(INIT)
     (tmp_path / "fsdp-node1.log").write_text(CHANNELS)
-    job = SimpleNamespace(log_dir=tmp_path, name="fsdp", ranks=[0, 1])
-    assert parse_nccl_network(job_logs(job)).gdr_channels == 8
+    found = parse_nccl_network(_finished(TorchrunJob, tmp_path).logs())
+    assert (found.provider, found.gdr_channels) == ("efa", 8)
+
+
+def test_a_slurm_jobs_logs_are_its_output_file_that_srun_gathered_from_every_node(tmp_path: Path):
+    # The fsdp check runs as a Slurm job wherever Slurm is configured: the gate must read that job's
+    # output, not torchrun's per-node files (which a Slurm job never writes).
+    (tmp_path / "fsdp-slurm-17.out").write_text(INIT + CHANNELS)
+    job = _finished(SlurmJob, tmp_path, job_id=17)
+    found = parse_nccl_network(job.logs())
+    assert (found.provider, found.nics, found.gdr_channels) == ("efa", 4, 8)
+    assert network_problems(found, efa_interfaces=4, multi_node=True) == []
+    assert job.log_tail(1) == CHANNELS.splitlines()[-1]
