@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from fsdpctl import remote
 from fsdpctl.checks.context import CheckContext, CheckResult
 from fsdpctl.monitor import RATE_WINDOW, Prometheus, PrometheusError, link_capacity_bps
 
@@ -81,6 +82,34 @@ def leak_verdict(points: list[tuple[float, float]], bound_mib: float) -> dict[st
     return verdict
 
 
+def gpu_utilisation(util: list[dict], expected: list[str], since: float) -> dict[str, Any]:
+    """Mean utilisation (0-1) of each GPU's DCGM_FI_DEV_GPU_UTIL samples taken at or after `since`,
+    keyed `node/gpuN`, and which of the `expected` GPUs reported none: a GPU node without DCGM data
+    is a failed check, not a skipped one (the gate would otherwise pass on a broken exporter)."""
+    mean = {}
+    for r in util:
+        values = [float(v) for t, v in r["values"] if float(t) >= since]
+        if values:
+            mean[f"{r['metric'].get('node', '?')}/gpu{r['metric'].get('gpu', '?')}"] = \
+                sum(values) / len(values) / 100
+    return {"status": "measured", "mean_util": mean, "missing": [g for g in expected if g not in mean],
+            "series": _series(util, "node")}
+
+
+def gpu_problems(gpu: dict[str, Any]) -> list[str]:
+    problems = []
+    if gpu["missing"]:
+        shown = ", ".join(gpu["missing"][:4]) + (f" and {len(gpu['missing']) - 4} more"
+                                                  if len(gpu["missing"]) > 4 else "")
+        problems.append(f"no DCGM utilisation from {len(gpu['missing'])} GPU(s) ({shown}): is dcgm-exporter "
+                        "running and scraped? (fsdpctl configure --tags monitoring)")
+    low = {g: u for g, u in gpu["mean_util"].items() if u < GPU_UTIL_BOUND}
+    if low:
+        problems.append("GPU utilisation under {:.0%}: {}".format(
+            GPU_UTIL_BOUND, ", ".join(f"{g} {u:.0%}" for g, u in sorted(low.items()))))
+    return problems
+
+
 Points = list[tuple[float, float]]
 
 
@@ -122,10 +151,7 @@ def check_monitoring(ctx: CheckContext, result: CheckResult) -> None:
     if gpu["status"] == "skip":
         notes.append(f"GPU utilisation not checked ({gpu['reason']})")
     else:
-        low = {g: u for g, u in gpu["mean_util"].items() if u < GPU_UTIL_BOUND}
-        if low:
-            problems.append("GPU utilisation under {:.0%}: {}".format(
-                GPU_UTIL_BOUND, ", ".join(f"{g} {u:.0%}" for g, u in sorted(low.items()))))
+        problems += gpu_problems(gpu)
     network = facts["network"]
     for node, figures in sorted(network["nodes"].items()):
         if figures["peak_share"] is not None and figures["peak_share"] >= NETWORK_USE_BOUND:
@@ -150,7 +176,8 @@ def check_monitoring(ctx: CheckContext, result: CheckResult) -> None:
         result.fail("; ".join(problems))
     else:
         result.summary = "; ".join([
-            *([] if gpu["status"] == "skip" else [f"GPU util >= {min(gpu['mean_util'].values()):.0%}"]),
+            *([] if gpu["status"] == "skip"
+              else [f"GPU util >= {min(gpu['mean_util'].values(), default=0):.0%}"]),
             f"network peak {peak:.1%} of link",
             f"memory growth max {worst:.1f} MiB/100 steps over {len(fitted)} rank series" if worst is not None
             else "memory growth not fitted", *notes])
@@ -165,15 +192,9 @@ def _gather(ctx: CheckContext, prom: Prometheus, start: float, end: float, step_
         facts["gpu"] = {"status": "skip", "reason": "no GPUs on this target (local nodes)"}
     else:
         util = rng('DCGM_FI_DEV_GPU_UTIL{job="dcgm"}')
-        cut = start + (end - start) * WARMUP_FRACTION
-        mean = {}
-        for r in util:
-            values = [float(v) for t, v in r["values"] if float(t) >= cut]
-            name = f"{r['metric'].get('node', '?')}/gpu{r['metric'].get('gpu', '?')}"
-            if values:
-                mean[name] = sum(values) / len(values) / 100
-        facts["gpu"] = ({"status": "measured", "mean_util": mean, "series": _series(util, "node")} if mean
-                        else {"status": "skip", "reason": "dcgm-exporter reported no GPU utilisation"})
+        expected = [f"{n.name}/gpu{i}" for n in remote.cluster_nodes(ctx.state) if n.rank in ctx.ranks
+                    for i in range(ctx.spec.instance.gpus)]
+        facts["gpu"] = gpu_utilisation(util, expected, since=start + (end - start) * WARMUP_FRACTION)
 
     # Network: kernel interfaces plus EFA, per direction, against the link.
     catalog_link = link_capacity_bps(ctx.state)

@@ -18,6 +18,8 @@ from fsdpctl.checks.monitoring import (
     MIN_FIT_STEPS,
     _pairs,
     after_warmup,
+    gpu_problems,
+    gpu_utilisation,
     leak_verdict,
     least_squares_slope,
 )
@@ -75,6 +77,32 @@ def test_too_few_steps_after_warmup_is_a_skip_with_the_reason():
     verdict = leak_verdict(_series(100, steps=MIN_FIT_STEPS + 1), HOST_LEAK_BOUND_MIB)
     assert verdict["status"] == "skip" and "needed" in verdict["reason"]
     assert verdict["mib_per_100_steps"] is None
+
+
+def _dcgm(node: str, gpu: int, utils: list[float]) -> dict:
+    """A query_range series of DCGM_FI_DEV_GPU_UTIL (percent), one sample a second from t=100."""
+    return {"metric": {"node": node, "gpu": str(gpu)},
+            "values": [[100 + i, str(u)] for i, u in enumerate(utils)]}
+
+
+def test_gpu_utilisation_is_the_mean_after_warmup_and_every_expected_gpu_must_report():
+    expected = ["n0/gpu0", "n0/gpu1", "n1/gpu0", "n1/gpu1"]
+    busy = [_dcgm(n, g, [10, 10, 97, 95]) for n in ("n0", "n1") for g in (0, 1)]
+    gpu = gpu_utilisation(busy, expected, since=102)  # the first two samples are warm-up
+    assert gpu["mean_util"] == {g: pytest.approx(0.96) for g in expected} and gpu["missing"] == []
+    assert gpu_problems(gpu) == []
+
+    slow = gpu_utilisation([*busy[:3], _dcgm("n1", 1, [90, 90, 60, 70])], expected, since=102)
+    assert gpu_problems(slow) == ["GPU utilisation under 90%: n1/gpu1 65%"]
+
+    # An exporter that is down on one node, or on all: a failure naming the GPUs, never a pass or a skip.
+    half = gpu_utilisation(busy[:2], expected, since=102)
+    assert half["missing"] == ["n1/gpu0", "n1/gpu1"]
+    assert "no DCGM utilisation from 2 GPU(s) (n1/gpu0, n1/gpu1)" in gpu_problems(half)[0]
+    none = gpu_utilisation([], expected, since=102)
+    assert len(gpu_problems(none)) == 1 and "from 4 GPU(s)" in gpu_problems(none)[0]
+    # Samples only during warm-up count as missing too.
+    assert gpu_utilisation([_dcgm("n0", 0, [99])], ["n0/gpu0"], since=102)["missing"] == ["n0/gpu0"]
 
 
 def test_pairs_join_step_and_value_on_the_sample_time_one_point_per_step():
