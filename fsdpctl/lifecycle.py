@@ -89,7 +89,7 @@ def cmd_up(args: Namespace) -> int:
                 state_mod.set_current(spec.name)
                 say(f"cluster {spec.name} is already up with {node_count} healthy node(s); nothing to do")
                 return 0
-            state.spec_path.write_text(args.spec.read_text())
+            state_mod.write_kept(state.spec_path, args.spec.read_text())
             state.update(node_count=node_count)
             state_mod.set_current(spec.name)
         else:

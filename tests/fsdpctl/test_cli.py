@@ -183,3 +183,21 @@ def test_ssh_takes_cluster_after_the_rank_too(home, tmp_path):
         assert result.returncode == 2 and "no cluster named 'no-such'" in result.stderr, result.stderr
     result = run("ssh", "0", "--bogus", "--", "true", home=home)
     assert result.returncode == 2 and "unknown option '--bogus' before `--`" in result.stderr
+
+
+def test_up_of_an_existing_aws_cluster_keeps_the_new_spec_and_its_last_good_copy(home, tmp_path, monkeypatch):
+    # `up` with a changed spec updates an aws cluster in place; `down --force` restores a garbled spec
+    # from its `.good` copy, so that copy must be the spec the stack now runs, not the first one.
+    state = local_cluster(tmp_path, "cli-up")
+    state.update(target="aws", ssh={"user": "ubuntu", "key_file": str(tmp_path / "key"),
+                                    "known_hosts": str(tmp_path / "known_hosts")})
+    from fsdpctl.targets import aws
+
+    monkeypatch.setattr(aws, "check_prerequisites", lambda action: None)
+    monkeypatch.setattr(aws, "up", lambda *a, **kw: None)  # the stack update itself: tests/aws
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(demo_data(name="cli-up", node_count=2, ssh_cidr="198.51.100.0/24")))
+    assert main(["up", str(changed), "--target", "aws", "--yes"]) == 0
+    assert state.spec_path.read_text() == changed.read_text()
+    assert state.spec_path.with_name("spec.yaml.good").read_text() == changed.read_text()
+    assert str(state.spec().ssh_cidr) == "198.51.100.0/24"
