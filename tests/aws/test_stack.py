@@ -362,7 +362,9 @@ def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_comm
     locked = LockedStack()
     monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: locked)
     monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
-    monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
+    terminated = []
+    monkeypatch.setattr(stack.sweep, "terminate_and_wait",
+                        lambda aws, leftovers, out: terminated.extend(leftovers) or [])
     spec = make_spec()
     state = new_state(tmp_path, spec)
     state.update(pulumi_stack=spec.name, nodes=[
@@ -378,6 +380,7 @@ def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_comm
     assert f"PULUMI_BACKEND_URL={backend} pulumi cancel --stack pf --yes --cwd " in message
     assert f"then run `fsdpctl {verb}` again" in message
     assert locked.config == {}  # replace's one-run retemplate key is removed again
+    assert terminated == []  # a locked stack is found before the node is terminated
 
 
 def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulumi, fsdpctl_home, tmp_path,
@@ -385,6 +388,11 @@ def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulu
     from infra.program import RETEMPLATE_KEY, node_urn
 
     class FailingUp(LockedStack):
+        def refresh(self, **kwargs):
+            return auto.RefreshResult("", "", auto.UpdateSummary(
+                kind="refresh", start_time=None, message="", environment={}, config={}, result="succeeded",
+                end_time=None, version=1, deployment=None, resource_changes={"same": 9}))
+
         def up(self, **kwargs):
             self.seen = (dict(self.config), kwargs["replace"])
             raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr="boom", code=1))

@@ -490,6 +490,9 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     if stack is None:
         raise UsageError(f"no Pulumi stack {spec.name} in {backend_url()}; run `fsdpctl up` first "
                          "(or set PULUMI_BACKEND_URL to the backend it was created in)")
+    # Refresh before anything is destroyed: a stack locked by another pulumi run stops here, with the
+    # node still running, and the update below starts from what AWS holds.
+    refresh(stack, spec, out, what=f"replace {rank}")
     # Terminate first: with a reservation sized to the cluster, the replacement needs the slot the
     # old instance holds (Pulumi would otherwise create the new one before deleting the old).
     out(f"terminating {node.name} ({node.instance_id}) ...")
