@@ -80,15 +80,15 @@ def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, An
     elif typ == "aws:fsx/lustreFileSystem:LustreFileSystem":
         state["dnsName"] = placeholder(name, "dns_name")
         state["mountName"] = placeholder(name, "mount_name")
-    elif typ == "time:index/offset:Offset":
-        # pulumiverse-time: the base time (now, when not given) plus the offset, fixed at creation.
+    elif typ == "time:index/rotating:Rotating":
+        # pulumiverse-time: the creation time (now, when not given) and the rotation time after it.
         from datetime import UTC, datetime, timedelta
 
-        base = inputs.get("baseRfc3339") or datetime.now(UTC).replace(microsecond=0).isoformat()
+        base = inputs.get("rfc3339") or datetime.now(UTC).replace(microsecond=0).isoformat()
         when = datetime.fromisoformat(base.replace("Z", "+00:00")) + timedelta(
-            hours=float(inputs.get("offsetHours") or 0), minutes=float(inputs.get("offsetMinutes") or 0))
-        state["baseRfc3339"] = base.replace("+00:00", "Z")
-        state["rfc3339"] = when.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
+            hours=float(inputs.get("rotationHours") or 0), minutes=float(inputs.get("rotationMinutes") or 0))
+        state["rfc3339"] = base.replace("+00:00", "Z")
+        state["rotationRfc3339"] = when.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
     elif typ == "aws:s3/bucket:Bucket":
         state["bucket"] = inputs.get("bucket") or f"{inputs.get('bucketPrefix', '')}<unique suffix>"
     return state

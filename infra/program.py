@@ -4,8 +4,8 @@
 and returns the stack outputs (the contract the operator tool reads after `pulumi up`). `run_stack()`
 is what `pulumi up` runs (infra/__main__.py): it reads the stack config `fsdp-cluster:cluster` (the
 spec as an object) and `fsdp-cluster:expiresAt` (ISO 8601 UTC, pinned by `fsdpctl up`
-and moved by `fsdpctl extend`; when absent, a pulumiverse-time Offset resource records the creation
-time and adds expiry_hours, so plain `pulumi up` with only the cluster set works too). The same
+and moved by `fsdpctl extend`; when absent, a pulumiverse-time Rotating resource records the creation
+time and rotates expiry_hours later, so plain `pulumi up` with only the cluster set works too). The same
 `build_cluster` runs under Pulumi's mocks for `fsdpctl plan` (infra/offline.py) and the tests.
 """
 
@@ -58,13 +58,16 @@ def parse_expires_at(value: str | None, spec: ClusterSpec) -> str | None:
 
 def expiry_clock(spec: ClusterSpec) -> pulumi.Output[str]:
     """The expiry time of a stack whose config pins none (plain `pulumi up` with only
-    fsdp-cluster:cluster set): a pulumiverse-time Offset, which records the creation time once in
-    the stack state and adds expiry_hours to it. Later updates keep the same time (changing
-    expiry_hours moves it relative to the recorded creation time); `pulumi config set
-    fsdp-cluster:expiresAt ...` overrides it."""
+    fsdp-cluster:cluster set): a pulumiverse-time Rotating (terraform's time_rotating), which records
+    its creation time in the stack state and rotates expiry_hours later. Updates before then keep the
+    same time; once it has passed, the next refresh (`pulumi up --refresh`) drops the clock from the
+    state, so that update creates it again and the schedules get a new time (now + expiry_hours), as
+    `fsdpctl up` does for an expired cluster. `pulumi config set fsdp-cluster:expiresAt ...`
+    overrides it."""
     import pulumiverse_time
 
-    return pulumiverse_time.Offset(f"{spec.name}-expiry-clock", offset_hours=spec.expiry_hours).rfc3339
+    clock = pulumiverse_time.Rotating(f"{spec.name}-expiry-clock", rotation_hours=spec.expiry_hours)
+    return clock.rotation_rfc3339
 
 
 def expiry_time(spec: ClusterSpec, now: datetime | None = None) -> str | None:

@@ -420,13 +420,16 @@ def test_existing_vpc_has_no_nat_schedule():
 
 
 def test_plain_pulumi_up_without_expires_at_uses_the_expiry_clock():
-    """`pulumi up` with only fsdp-cluster:cluster set: a pulumiverse-time Offset records the
-    creation time once and the schedules fire expiry_hours later."""
+    """`pulumi up` with only fsdp-cluster:cluster set: a pulumiverse-time Rotating records the
+    creation time and the schedules fire expiry_hours later; being a rotating clock, it is created
+    again by the first refreshed update after that time (a new expiry, where an Offset would keep
+    sending the past one)."""
     from datetime import datetime, timedelta
 
     plan = plan_of(expires_at=None)
-    clock = plan.mocks.one("time:index/offset:Offset")
-    assert clock.inputs["offsetHours"] == float(plan.spec.expiry_hours)
+    clock = plan.mocks.one("time:index/rotating:Rotating")
+    assert clock.inputs["rotationHours"] == float(plan.spec.expiry_hours)
+    assert not [t for t in plan.mocks.counts() if t == "time:index/offset:Offset"]
     base = datetime.fromisoformat(plan.outputs["expires_at"].replace("Z", "+00:00")) \
         - timedelta(hours=plan.spec.expiry_hours)
     assert plan.outputs["expires_at"].endswith("Z")
