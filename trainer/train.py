@@ -89,14 +89,18 @@ LOSS_CHUNK_TOKENS = 8192
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of reduced-precision logits [N, vocab] in fp32, one chunk of rows at a time.
-    Forward also writes the gradient (softmax - one-hot) / N chunk by chunk into a tensor of the logits'
-    dtype, so neither pass ever holds more than one chunk in fp32 (Liger-Kernel's approach)."""
+    Forward also writes softmax - one-hot chunk by chunk into a tensor of the logits' dtype; backward
+    scales it by grad_output / N, again one chunk at a time in fp32, so neither pass ever holds more
+    than one chunk in fp32 (Liger-Kernel's approach).
+
+    The 1/N and the loss scale are applied together in fp32, never stored apart in fp16: (p - y) / N
+    alone underflows fp16 for any p under ~1e-3 at N = 16k tokens, and GradScaler's first scale,
+    65536, is itself past fp16's largest value (65504)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if logits.requires_grad else None
-        count = targets.numel()
         for start in range(0, logits.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             chunk, chunk_targets = logits[rows].float(), targets[rows]
@@ -105,16 +109,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if grad is not None:
                 probs = log_probs.exp_()
                 probs[torch.arange(probs.shape[0], device=probs.device), chunk_targets] -= 1.0
-                grad[rows] = probs.div_(count)
+                grad[rows] = probs
         ctx.save_for_backward(grad)
-        return total / count
+        ctx.count, ctx.chunk_tokens = targets.numel(), chunk_tokens
+        return total / targets.numel()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
+        factor = grad_output.float() / ctx.count
         # In place: a second full-size copy is what this function exists to avoid (so the graph
         # cannot be backpropagated twice, which training never does).
-        return grad.mul_(grad_output.to(grad.dtype)), None, None
+        for start in range(0, grad.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            grad[rows] = grad[rows].float().mul_(factor)
+        return grad, None, None
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS

@@ -40,6 +40,23 @@ def test_chunked_loss_matches_fp32_reference(dtype):
     torch.testing.assert_close(got_grad.float(), logits.grad.float(), atol=1e-4, rtol=1e-2)
 
 
+def test_chunked_loss_keeps_fp16_gradients_under_gradscalers_scale():
+    # 4096 tokens: (p - y) / N stored in fp16 underflows for p < ~2.4e-4, and GradScaler's first
+    # scale (65536) cast to fp16 is inf: either made the scaled fp16 gradient useless.
+    torch.manual_seed(0)
+    logits = torch.randn(4096, 512).to(torch.float16).requires_grad_()
+    targets = torch.randint(0, 512, (4096,))
+    scale = 65536.0
+    (loss_fn(logits[None], targets[None], chunk_tokens=1024) * scale).backward()
+    got = logits.grad
+    reference = logits.detach().float().requires_grad_()
+    (F.cross_entropy(reference, targets) * scale).backward()
+    want = reference.grad.to(torch.float16)
+    assert torch.isfinite(got).all()
+    assert (got == 0).float().mean() <= (want == 0).float().mean() + 1e-3  # nothing underflows extra
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=1e-6)
+
+
 def test_fp32_loss_is_plain_cross_entropy():
     logits, targets = torch.randn(2, 8, 16), torch.randint(0, 16, (2, 8))
     assert torch.equal(loss_fn(logits, targets), F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
