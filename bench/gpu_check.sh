@@ -129,10 +129,18 @@ else
   RESUME_MODEL=()
 fi
 # One optimizer step = one micro-batch per rank: no accumulation, the whole batch on one GPU.
+# A metrics record per step (the summary's medians and warm-up excess are per step; the default log
+# interval averages 10 steps into one record).
 BASE=(--config "$CONFIG" --set "distributed.device=$DEVICE" --set "training.global_batch_size=$BATCH"
-      --set training.gradient_accumulation=1 --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32)
+      --set training.gradient_accumulation=1 --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32
+      --set metrics.log_interval=1)
 [[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && BASE+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
 FLAT_LR=(--set optim.warmup_steps=0 --set optim.min_lr_ratio=1.0 --set optim.lr=3e-4)
+# The resume step's first half runs 2 steps past its checkpoint at step K_RESUME, so that async save is
+# staged while training goes on (on CUDA: the pinned copy on a side stream), and the second half
+# resumes from exactly that checkpoint: a staging race would show as different losses.
+FIRST_HALF=$((K_RESUME + 2))
+RESUME_FROM=step_$(printf '%08d' "$K_RESUME")
 
 OUT_DIR=${OUT_DIR%/}
 WORK=${GPU_CHECK_WORK:-$OUT_DIR/steps}
@@ -152,10 +160,10 @@ if [[ $PLAN == 1 ]]; then
       resume)
         plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$N_RESUME" \
           --metrics-file "$WORK/resume/uninterrupted.jsonl"
-        plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$K_RESUME" \
+        plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$FIRST_HALF" \
           --checkpoint-dir "$WORK/resume/ckpt" --checkpoint-interval "$K_RESUME" --metrics-file "$WORK/resume/resumed.jsonl"
         plan_line "$PY" -m trainer "${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}" --steps "$N_RESUME" \
-          --checkpoint-dir "$WORK/resume/ckpt" --checkpoint-interval "$K_RESUME" --resume auto \
+          --checkpoint-dir "$WORK/resume/ckpt" --checkpoint-interval "$K_RESUME" --resume "$WORK/resume/ckpt/$RESUME_FROM" \
           --metrics-file "$WORK/resume/resumed.jsonl"
         plan_line "$PY" bench/gpu_check/rng_check.py --device "$DEVICE" --dir "$WORK/resume/ckpt-rng" \
           --output "$WORK/resume/rng.json" ;;
@@ -311,6 +319,8 @@ run_step() {  # name
   printf '{"step": "%s", "rc": %s, "seconds": %s, "limit_s": %s, "timed_out": %s, "device": "%s"}\n' \
     "$s" "$rc" "$((SECONDS - began))" "$limit" "$timed_out" "$DEVICE" >"$STEP_DIR/step.json"
   say "$s: exit $rc in $((SECONDS - began))s$([[ $timed_out == true ]] && echo ' (timed out)')"
+  # What has run so far, in case the whole command is cut off before the summary.
+  tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" --exclude='ckpt*' . 2>/dev/null
 }
 
 trainer() { sub "$1" "$PY" -m trainer "${@:2}"; }
@@ -332,10 +342,10 @@ step_fp16() {
 step_resume() {
   local common=("${BASE[@]}" "${RESUME_MODEL[@]}" "${FLAT_LR[@]}") ckpt=$STEP_DIR/ckpt rc=0
   trainer uninterrupted "${common[@]}" --steps "$N_RESUME" --metrics-file "$STEP_DIR/uninterrupted.jsonl" || rc=$?
-  trainer first-half "${common[@]}" --steps "$K_RESUME" --checkpoint-dir "$ckpt" \
+  trainer first-half "${common[@]}" --steps "$FIRST_HALF" --checkpoint-dir "$ckpt" \
     --checkpoint-interval "$K_RESUME" --metrics-file "$STEP_DIR/resumed.jsonl" || rc=$?
   trainer second-half "${common[@]}" --steps "$N_RESUME" --checkpoint-dir "$ckpt" \
-    --checkpoint-interval "$K_RESUME" --resume auto --metrics-file "$STEP_DIR/resumed.jsonl" || rc=$?
+    --checkpoint-interval "$K_RESUME" --resume "$ckpt/$RESUME_FROM" --metrics-file "$STEP_DIR/resumed.jsonl" || rc=$?
   sub rng "$PY" bench/gpu_check/rng_check.py --device "$DEVICE" --dir "$STEP_DIR/ckpt-rng" \
     --output "$STEP_DIR/rng.json" || rc=$?
   rm -rf "$ckpt" "$STEP_DIR/ckpt-rng"

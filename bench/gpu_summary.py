@@ -18,15 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = ("bf16", "compile", "fp16", "resume", "throughput", "collectives")
-# Dense bf16 tensor-core peak per device, the figure MFU is quoted against (shared/notes/fsdp-facts.md);
-# the H200's practical matmul peak is about 790 TFLOP/s.
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
 WARMUP_STEPS = 3
 MFU_TARGET = 0.40  # gpt-1b, seq 2048, compile, one H200
 THROUGHPUT_RATIO_TARGET = 0.9  # FSDP2 / DDP tokens/s (bench/trainer_throughput.py)
@@ -81,6 +79,12 @@ def read_args(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.is_file() else []
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value after the last `flag` of a command's argv."""
+    at = [i for i, a in enumerate(argv[:-1]) if a == flag]
+    return argv[at[-1] + 1] if at else None
+
+
 def error_line(log: Path) -> str | None:
     """The line of a log that best says why it failed."""
     if not log.is_file():
@@ -129,9 +133,16 @@ def device_peak(env: dict, override: float | None) -> tuple[float | None, str]:
     if env.get("mode") != "gpu" and not env.get("gpu_names"):
         return None, "no peak for a CPU run: MFU is not computed"
     name = (env.get("gpu_names") or [""])[0]
-    for key, peak in PEAK_BF16_FLOPS:
-        if key in name:
-            return peak, f"{key} dense bf16"
+    # The trainer's table of dense bf16 peaks by device name (the H200's practical matmul peak is
+    # about 790 of its 989 TFLOP/s).
+    sys.path.insert(0, str(REPO))
+    try:
+        from trainer.metrics import peak_flops_for_name
+    except ImportError as e:  # a refused setup: the trainer's modules may be what is missing
+        return None, f"no peak table ({e}): MFU is not computed"
+    peak = peak_flops_for_name(name)
+    if peak:
+        return peak, f"{name} dense bf16"
     return None, f"unknown GPU {name!r}: set GPU_CHECK_PEAK_FLOPS (or --peak-flops) for MFU"
 
 
@@ -279,11 +290,15 @@ def analyse_resume(step_dir: Path, out: dict, _peak: float | None, ctx: dict) ->
         return
     reference = {r["step"]: value(r, "loss") for r in base[-1]}
     first, second = halves[0], halves[-1]
-    out["checkpoint_step"] = first[-1]["step"]
+    # The checkpoint the second half was told to resume from (--resume .../step_N), else the first
+    # half's last step (--resume auto).
+    resume_arg = flag_value(read_args(step_dir / "second-half.args"), "--resume") or ""
+    chosen = re.search(r"step_(\d+)/?$", resume_arg)
+    out["checkpoint_step"] = int(chosen.group(1)) if chosen else first[-1]["step"]
     out["resumed_at_step"] = second[0]["step"]
-    if second[0]["step"] != first[-1]["step"] + 1:
+    if second[0]["step"] != out["checkpoint_step"] + 1:
         fail(out, f"the second run started at step {second[0]['step']}, not after the checkpoint at step "
-                  f"{first[-1]['step']} (did --resume auto find it?)")
+                  f"{out['checkpoint_step']} (did --resume find it?)")
 
     def diffs(records: list[dict]) -> tuple[float, float, bool]:
         pairs = [(value(r, "loss"), reference.get(r["step"])) for r in records]

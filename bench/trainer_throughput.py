@@ -175,7 +175,9 @@ def launcher(args) -> int:
         overrides = [*defaults, f"training.global_batch_size={8 * nproc}", *overrides]
     common = ["--config", config, "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
               *[a for o in overrides for a in ("--set", o)]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The repository first, then whatever the caller had (gpu_check.sh puts modules it installed there).
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath}
     # The accumulation case: the same micro-batches, `--accumulation` of them per optimizer step (the
     # global batch grows to match), FSDP2 reduce-scattering every micro-batch, DDP under no_sync().
     base = load_config(config, overrides).training
@@ -187,7 +189,8 @@ def launcher(args) -> int:
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         runs = [("distributed", distributed, [], ""),
-                ("distributed", distributed, accum_args, "_accum"),
+                # With one rank there is nothing to reduce-scatter or all-reduce: no accumulation case.
+                *([("distributed", distributed, accum_args, "_accum")] if nproc > 1 else []),
                 # One process gets every core the ranks shared.
                 ("single", [sys.executable], [], "")]
         for mode, prefix, extra, suffix in runs:
@@ -204,7 +207,8 @@ def launcher(args) -> int:
                 return proc.returncode
             results.update({name + suffix: r for name, r in json.loads(out.read_text()).items()})
     ratio = results["fsdp2"]["tokens_per_s"] / results["ddp"]["tokens_per_s"]
-    accum_ratio = results["fsdp2_accum"]["tokens_per_s"] / results["ddp_accum"]["tokens_per_s"]
+    accum_ratio = (results["fsdp2_accum"]["tokens_per_s"] / results["ddp_accum"]["tokens_per_s"]
+                   if "fsdp2_accum" in results else None)
     summary = {"config": config, "overrides": overrides, "nproc": nproc, "device": "cuda" if cuda else "cpu",
                "steps": args.steps, "runs": results, "fsdp2_over_ddp": ratio, "target_ratio": TARGET_RATIO,
                "meets_target": ratio >= TARGET_RATIO, "accumulation": args.accumulation,
@@ -214,8 +218,11 @@ def launcher(args) -> int:
         print(f"{name:15s} {r['tokens_per_s']:12,.0f} tokens/s  {r['step_time_s']:.3f} s/step{mfu}")
     verdict = "met" if ratio >= TARGET_RATIO else "NOT met"
     print(f"FSDP2 / DDP = {ratio:.2f}x (target >= {TARGET_RATIO}x: {verdict})")
-    print(f"FSDP2 / DDP with accumulation {args.accumulation} = {accum_ratio:.2f}x (FSDP2 reduce-scatters "
-          "every micro-batch, DDP all-reduces on the last)")
+    if accum_ratio is not None:
+        print(f"FSDP2 / DDP with accumulation {args.accumulation} = {accum_ratio:.2f}x (FSDP2 "
+              "reduce-scatters every micro-batch, DDP all-reduces on the last)")
+    else:
+        print("one rank: FSDP2 and DDP have nothing to communicate, so neither ratio means anything")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"result: {args.output}")

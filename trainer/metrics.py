@@ -28,7 +28,8 @@ from trainer.distributed import Runtime
 # Dense bf16 tensor-core peak per device variant, by the name CUDA reports (NVIDIA data sheets); more
 # specific names first. MFU is null for anything else unless metrics.peak_flops says.
 PEAK_BF16_FLOPS = (
-    ("H200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),  # SXM
     ("H100 NVL", 835e12),
     ("H100 PCIE", 756e12),
     ("H100", 989e12),  # SXM (e.g. "NVIDIA H100 80GB HBM3")

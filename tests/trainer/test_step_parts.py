@@ -15,7 +15,7 @@ from trainer.train import build_optimizer, build_scheduler, follow_schedule, los
 
 @pytest.mark.parametrize(("name", "tflops"), [
     ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 989), ("NVIDIA A100-SXM4-40GB", 312),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835), ("NVIDIA A100-SXM4-40GB", 312),
     ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100 80GB PCIe", 312), ("Tesla V100-SXM2-16GB", None),
     ("NVIDIA L4", None)])
 def test_peak_flops_by_device_name(name, tflops):
