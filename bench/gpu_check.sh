@@ -237,13 +237,13 @@ setup() {
   if [[ $DEVICE == cuda && -z $cuda_before ]]; then
     # Only a CUDA build may be installed, and only from a wheel already here (no network assumed).
     local cuda_wheel
-    cuda_wheel=$(find "$WHEELS" -maxdepth 1 -name 'torch-*.whl' ! -name '*+cpu*' 2>/dev/null | head -n 1)
+    cuda_wheel=$(find "$WHEELS" -maxdepth 1 -type f -name 'torch-*.whl' ! -name '*+cpu*' 2>/dev/null | head -n 1)
     if [[ -z $cuda_wheel ]]; then
       refuse "torch ${torch_before:-is not installed}${torch_before:+ is a CPU build (torch.version.cuda is None)} and no CUDA torch wheel is in $WHEELS; a GPU check on CPU torch would measure nothing, and installing torch from a registry could pull a CPU build. Fix: run with a CUDA torch (PYTHON=/path/to/python), put a CUDA torch wheel and its nvidia-* wheels in --wheels, or use --dry-run for the CPU run"
     fi
     say "installing CUDA torch from $cuda_wheel (and the other wheels there) into $SITE"
     local others=()
-    mapfile -t others < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
+    mapfile -t others < <(find "$WHEELS" -maxdepth 1 -type f -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
     pip_target --no-index "$cuda_wheel" "${others[@]}" || refuse "installing $cuda_wheel failed: see $WORK/setup.log"
     export PYTHONPATH="$SITE:$PYTHONPATH"
     probe || refuse "the probe failed after installing torch: $(tail -n 1 "$WORK/probe.err")"
@@ -255,7 +255,7 @@ setup() {
   fi
   if [[ -n ${ENV[missing]} ]]; then
     local wheels=()
-    mapfile -t wheels < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
+    mapfile -t wheels < <(find "$WHEELS" -maxdepth 1 -type f -name '*.whl' ! -name 'torch-*' 2>/dev/null | sort)
     if [[ ${#wheels[@]} -gt 0 ]]; then
       say "missing modules: ${ENV[missing]}; installing ${#wheels[@]} wheel(s) from $WHEELS into $SITE (no dependencies)"
       pip_target --no-index "${wheels[@]}" || say "installing from $WHEELS failed: see $WORK/setup.log"

@@ -93,7 +93,6 @@ class CheckpointManager:
         self._local_work: threading.Thread | None = None
         self._errors: list[str] = []
         self._s3: S3Location | None = None
-        self._stager: Any = False  # built on the first async save
         self._staging: Any = None  # future of the in-flight save's copy
         self.staging = "none"
         self.last_blocking_s: float | None = None
@@ -204,10 +203,12 @@ class CheckpointManager:
         state = {"model": model_state, "optim": optim_state}
         self._last_saved_step = step
         if self.cfg.async_save and not blocking:
-            if self._stager is False:
-                self._stager = self._make_stager()
+            # A stager per save, closed once its save is written: torch 2.11's DefaultStager closes its
+            # copier after staging, so a second save through the same one fails with
+            # `KeyError: <class 'type'>` (pytorch/pytorch#183413; seen on the H200 check).
+            stager = self._make_stager()
             response = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
-                                      no_dist=not self._group.distributed, async_stager=self._stager)
+                                      no_dist=not self._group.distributed, async_stager=stager)
             if hasattr(response, "upload_completion"):  # staged in the background
                 self._staging, future = response.staging_completion, response.upload_completion
             else:
@@ -215,7 +216,7 @@ class CheckpointManager:
             blocking = time.monotonic() - started
             self.last_blocking_s = blocking
             self._collective_work = self._start(self._finish_save, step, tmp, final, started, blocking,
-                                                future)
+                                                future, stager)
         else:
             try:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self._group.pg,
@@ -268,12 +269,15 @@ class CheckpointManager:
         return thread
 
     def _finish_save(self, step: int, tmp: Path, final: Path, started: float, blocking: float,
-                     future: Any) -> None:
+                     future: Any, stager: Any) -> None:
         try:
             future.result()
             failure = None
         except (Exception, CheckpointException) as exc:
             failure = f"writing its shards failed: {_first_line(exc)}"
+        finally:
+            if stager is not None:
+                stager.close()  # its pinned buffers and staging thread
         committed = self._commit(step, tmp, final, started, blocking, failure)
         if committed is not None:
             self._after_commit(committed)
