@@ -179,8 +179,10 @@ def report(cfg_name: str, result: Estimate) -> list[str]:
         lines.append(f"  {result.gpu}: {result.gpu_bytes / GIB:.0f} GiB, {result.usable_bytes / GIB:.1f} GiB "
                      f"usable: {verdict}")
         smallest = result.smallest_fitting_world_size
-        lines.append(f"  smallest cluster that fits: {smallest} GPUs ({smallest // CLUSTER_STEP} nodes of "
-                     f"{CLUSTER_STEP})" if smallest else
+        nodes = smallest // CLUSTER_STEP if smallest else 0
+        node_word = "node" if nodes == 1 else "nodes"
+        lines.append(f"  smallest cluster that fits: {smallest} GPUs ({nodes} {node_word} of {CLUSTER_STEP})"
+                     if smallest else
                      f"  no cluster up to {MAX_CLUSTER} GPUs fits; enable activation checkpointing, shard "
                      "more widely (FULL_SHARD) or lower the micro-batch")
     return lines
