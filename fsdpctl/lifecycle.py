@@ -112,11 +112,11 @@ def cmd_up(args: Namespace) -> int:
 def cmd_down(args: Namespace) -> int:
     line_buffered()
     state = state_mod.resolve(args.cluster, readable=not args.force)
-    if args.force:  # gets through a truncated or garbled state.json or spec copy
-        state.restore_unreadable(warn)
-    record, spec = state.read(), state.spec()
-    target = targets.get(record.target)
-    with state.operation("down"):
+    with state.operation("down"):  # held before any repair: a running command may still write
+        if args.force:  # gets through a truncated or garbled state.json or spec copy
+            state.restore_unreadable(warn)
+        record, spec = state.read(), state.spec()
+        target = targets.get(record.target)
         lines = "\n".join(f"  - {line}" for line in target.destruction(state, spec))
         say(f"fsdpctl down destroys cluster {state.name} ({record.target}):\n{lines}")
         confirm(f"Destroy cluster {state.name}?", yes=args.yes, what="fsdpctl down")

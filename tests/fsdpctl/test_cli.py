@@ -201,3 +201,13 @@ def test_up_of_an_existing_aws_cluster_keeps_the_new_spec_and_its_last_good_copy
     assert state.spec_path.read_text() == changed.read_text()
     assert state.spec_path.with_name("spec.yaml.good").read_text() == changed.read_text()
     assert str(state.spec().ssh_cidr) == "198.51.100.0/24"
+
+
+def test_down_force_repairs_nothing_while_another_command_holds_the_cluster(home, tmp_path, capsys):
+    state = local_cluster(tmp_path, "cli-busy")
+    garbled = state.state_path.read_text()[:30]
+    state.state_path.write_text(garbled)
+    with state.operation("deploy"):  # as a running `fsdpctl deploy` holds it
+        assert main(["down", "--force", "--yes", "--cluster", "cli-busy"]) == 2
+    assert "cluster cli-busy is busy: fsdpctl deploy" in capsys.readouterr().err
+    assert state.state_path.read_text() == garbled  # not restored under the other command's feet
