@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.local.conftest import missing_prerequisite
 from tests.trainer.test_checkpoint_train import TRAIN, step_metrics
 from tests.trainer.test_checkpoint_worker import REPO, TORCHRUN, worker_env
 
@@ -59,7 +60,7 @@ def straight_run(tmp_path_factory) -> list[dict]:
 def small_file_system(tmp_path):
     """A tmpfs that holds one checkpoint and a half: the second save runs out of space."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a size-limited tmpfs needs root")
+        missing_prerequisite("mounting a size-limited tmpfs needs root")
     mount_point = tmp_path / "small"
     mount_point.mkdir()
     size_kb = int(CHECKPOINT_MB * 1.5 * 1024)
