@@ -506,6 +506,24 @@ REQUIRED_ACTIONS = (
     "iam:DeleteRole", "iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteInstanceProfile",
     "iam:RemoveRoleFromInstanceProfile", "s3:DeleteBucket", "s3:DeleteObject", "s3:DeleteObjectVersion",
     "fsx:DeleteFileSystem", "scheduler:DeleteSchedule", "scheduler:DeleteScheduleGroup",
+    # what pulumi refresh, previews and updates read back (every later `up`, `extend`, `replace`)
+    "ec2:DescribeVpcs", "ec2:DescribeVpcAttribute", "ec2:DescribeSubnets", "ec2:DescribeInternetGateways",
+    "ec2:DescribeAddresses", "ec2:DescribeNatGateways", "ec2:DescribeRouteTables", "ec2:DescribeVpcEndpoints",
+    "ec2:DescribeSecurityGroups", "ec2:DescribeSecurityGroupRules", "ec2:DescribePlacementGroups",
+    "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions", "ec2:DescribeInstanceAttribute",
+    "ec2:DescribeNetworkInterfaces", "ec2:DescribeVolumes", "ec2:DescribeTags",
+    "iam:GetRole", "iam:GetRolePolicy", "iam:ListRolePolicies", "iam:ListAttachedRolePolicies",
+    "iam:GetInstanceProfile", "iam:ListInstanceProfilesForRole",
+    "s3:ListBucket", "s3:GetBucketVersioning", "s3:GetLifecycleConfiguration",
+    "s3:GetEncryptionConfiguration", "s3:GetBucketPublicAccessBlock", "s3:GetBucketTagging",
+    "s3:ListBucketVersions",
+    "fsx:DescribeFileSystems", "fsx:DescribeDataRepositoryAssociations",
+    "scheduler:GetSchedule", "scheduler:GetScheduleGroup",
+    # changes in place: `extend` and an expired cluster's `up` move the schedules; template updates
+    "scheduler:UpdateSchedule", "ec2:ModifyLaunchTemplate", "ec2:RevokeSecurityGroupIngress",
+    "ec2:RevokeSecurityGroupEgress", "ec2:DeleteTags",
+    # the sweep's listings (roles and profiles are found by name prefix)
+    "iam:ListRoles", "iam:ListInstanceProfiles",
 )
 DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation")
 
