@@ -57,21 +57,40 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def current_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """This process's resident set now and, on CUDA, the device memory its tensors hold now (0 on
+    CPU): what a leak grows, where the peak may hide it under an earlier high-water mark."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * resource.getpagesize()
+    return rss, torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory at a flush, in bytes."""
+
+    peak: int
+    host_rss: int
+    device: int
+
+
 def gather_loss_and_memory(loss: torch.Tensor, device: torch.device) -> tuple[list[float], list[int]]:
     """Every rank's loss and peak memory, in one all-gather."""
-    losses, mems = gather_steps([loss], device)
-    return [per_rank[0] for per_rank in losses], mems
+    losses, memory = gather_steps([loss], device)
+    return [per_rank[0] for per_rank in losses], [m.peak for m in memory]
 
 
-def gather_steps(losses: list[torch.Tensor], device: torch.device) -> tuple[list[list[float]], list[int]]:
-    """Every rank's losses of the buffered steps and its peak memory, in one all-gather and one
-    device-to-host copy: the only synchronisation of a logging interval."""
+def gather_steps(losses: list[torch.Tensor], device: torch.device
+                 ) -> tuple[list[list[float]], list[RankMemory]]:
+    """Every rank's losses of the buffered steps and its memory (peak, resident now, device now), in
+    one all-gather and one device-to-host copy: the only synchronisation of a logging interval."""
+    memory = [float(peak_memory_bytes(device)), *map(float, current_memory_bytes(device))]
     mine = torch.cat([torch.stack([loss.detach().double() for loss in losses]),
-                      torch.tensor([float(peak_memory_bytes(device))], dtype=torch.float64, device=device)])
+                      torch.tensor(memory, dtype=torch.float64, device=device)])
     gathered = torch.empty(dist.get_world_size() * mine.numel(), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(gathered, mine)
     rows = gathered.view(dist.get_world_size(), -1).tolist()
-    return [row[:-1] for row in rows], [int(row[-1]) for row in rows]
+    return [row[:-3] for row in rows], [RankMemory(*map(int, row[-3:])) for row in rows]
 
 
 def stderr_log(message: str) -> None:
@@ -153,7 +172,8 @@ class MetricsLogger:
             return []
         pending, self.pending = self.pending, []
         values = [p.loss for p in pending] + [p.grad_norm.reshape(()) for p in pending]
-        per_rank, mems = gather_steps(values, self.runtime.device)
+        per_rank, memory = gather_steps(values, self.runtime.device)
+        mems = [m.peak for m in memory]
         now = time.perf_counter()
         wall, n = now - self.last_flush - self.overhead_s, len(pending)
         self.last_flush, self.overhead_s = now, 0.0
@@ -187,6 +207,10 @@ class MetricsLogger:
                 "mem_max_min_ratio": max(mems) / max(1, min(mems)),
                 "skipped": p.skipped, **self.info,
             }
+            if i == n - 1:  # memory now was read at this flush, i.e. after this step (leak fits)
+                record["host_rss_bytes_per_rank"] = [m.host_rss for m in memory]
+                if self.runtime.device.type == "cuda":
+                    record["device_mem_bytes_per_rank"] = [m.device for m in memory]
             self.records.append(record)
             self._write(record)
             out.append(record)

@@ -18,17 +18,15 @@ here directly (a handful of gauges; prometheus-client is not needed for that).
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from trainer.config import MetricsConfig
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError, Problem
+from trainer.metrics import current_memory_bytes
 
 MIB = 2**20
 # name -> help; every one is a gauge (the step is a gauge too: a restart from a checkpoint lowers it).
@@ -45,11 +43,6 @@ METRICS = {
     "fsdp_trainer_device_memory_bytes": "Device memory allocated by this rank now (0 on CPU).",
     "fsdp_trainer_last_update_seconds": "Unix time of the last update of this file.",
 }
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 class RankMetrics:
@@ -90,7 +83,7 @@ class RankMetrics:
         """`record` is one of MetricsLogger.log_step's lines (global figures, this rank's memory)."""
         if self.path is None:
             return
-        device = self.runtime.device
+        host_rss, device_memory = current_memory_bytes(self.runtime.device)
         values = {
             "fsdp_trainer_step": record["step"],
             "fsdp_trainer_loss": record["loss"],
@@ -100,9 +93,8 @@ class RankMetrics:
             "fsdp_trainer_step_seconds": record["step_time_s"],
             "fsdp_trainer_grad_sync_share": _or_nan(record.get("grad_sync_share")),
             "fsdp_trainer_peak_memory_bytes": record["mem_bytes_per_rank"][self.runtime.rank],
-            "fsdp_trainer_host_rss_bytes": current_rss_bytes(),
-            "fsdp_trainer_device_memory_bytes": torch.cuda.memory_allocated(device)
-            if device.type == "cuda" else 0,
+            "fsdp_trainer_host_rss_bytes": host_rss,
+            "fsdp_trainer_device_memory_bytes": device_memory,
             "fsdp_trainer_last_update_seconds": time.time(),
         }
         self._write(render(values, self.labels))

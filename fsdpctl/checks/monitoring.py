@@ -1,16 +1,18 @@
 """The `monitoring` check: what Prometheus recorded while the `fsdp` check trained.
 
-Read from Prometheus on node 0 (through fsdpctl.monitor's SSH tunnel) over the time window of the
-`fsdp` check's runs, after they end:
+Read after the `fsdp` check's runs end, from Prometheus on node 0 (through fsdpctl.monitor's SSH
+tunnel) over their time window, and from their metrics:
 
 - GPU utilisation: every GPU's mean DCGM_FI_DEV_GPU_UTIL after warm-up >= GPU_UTIL_BOUND (skipped,
   with the reason, where there are no GPUs: the local target).
 - Network: the peak receive and transmit rate of every node (kernel interfaces plus EFA
   hw_counters) < NETWORK_USE_BOUND of its link capacity (infra catalog; a local node's veth reports
   its own speed).
-- Memory leaks: per rank of every training job, the least-squares slope of host RSS (and device
-  memory on GPUs) against the step, after warm-up, must stay under HOST_LEAK_BOUND_MIB (DEVICE_...)
-  per 100 steps.
+- Memory leaks: per rank, the least-squares slope of host RSS (and device memory on GPUs) against the
+  step, after warm-up, must stay under HOST_LEAK_BOUND_MIB (DEVICE_...) per 100 steps. These come
+  from the fsdp run's own metrics (every rank's memory at every logged step, gathered by the
+  trainer), not from Prometheus: a scrape every few seconds sees too few steps of a short smoke run
+  to fit a slope.
 
 The thresholds and why are in docs/smoke-test.md. Series for the report's plots go to
 ctx.training["monitoring"].
@@ -113,20 +115,21 @@ def gpu_problems(gpu: dict[str, Any]) -> list[str]:
 Points = list[tuple[float, float]]
 
 
-def _pairs(step_series: list[dict], value_series: list[dict]) -> dict[tuple[str, str], Points]:
-    """(job, rank) -> [(step, value)] joined on the sample time (both come from one textfile, so one
-    scrape has both)."""
-    steps = {(s["metric"].get("job"), s["metric"].get("rank")): dict(s["values"]) for s in step_series}
-    out: dict[tuple[str, str], Points] = defaultdict(list)
-    for s in value_series:
-        key = (s["metric"].get("job"), s["metric"].get("rank"))
-        at_step = steps.get(key, {})
-        seen = set()
-        for t, v in s["values"]:
-            if t in at_step and at_step[t] not in seen:
-                seen.add(at_step[t])  # one point per step: a value held over several scrapes counts once
-                out[key].append((float(at_step[t]), float(v)))
-    return dict(out)
+# (step record key, leak bound, what it is); device memory is only in the records of GPU runs.
+MEMORY_SERIES = (("host_rss_bytes_per_rank", HOST_LEAK_BOUND_MIB, "host RSS"),
+                 ("device_mem_bytes_per_rank", DEVICE_LEAK_BOUND_MIB, "device memory"))
+
+
+def memory_series(lines: list[dict]) -> dict[str, tuple[float, Points]]:
+    """`rank R host RSS` (and `... device memory`) -> (leak bound, [(step, bytes)]) from a run's step
+    records: every rank's memory at each step the trainer read it (each logged step)."""
+    out: dict[str, tuple[float, Points]] = {}
+    for key, bound, kind in MEMORY_SERIES:
+        for record in lines:
+            for rank, value in enumerate(record.get(key) or []):
+                points = out.setdefault(f"rank {rank} {kind}", (bound, []))[1]
+                points.append((float(record["step"]), float(value)))
+    return out
 
 
 def _series(result: list[dict], label: str) -> dict[str, list[list[float]]]:
@@ -159,8 +162,8 @@ def check_monitoring(ctx: CheckContext, result: CheckResult) -> None:
                             f"Gbit/s link (bound {NETWORK_USE_BOUND:.0%})")
     leaks = facts["leaks"]
     if not leaks:
-        problems.append("no trainer metrics in Prometheus for the fsdp runs: is metrics.prometheus_dir set "
-                        "and the node exporter's textfile collector reading it?")
+        problems.append("no memory figures in the fsdp run's metrics (host_rss_bytes_per_rank): was it "
+                        "trained by a trainer older than this fsdpctl? (fsdpctl deploy)")
     for name, verdict in sorted(leaks.items()):
         if verdict["status"] == "fail":
             problems.append(f"{name} grows {verdict['mib_per_100_steps']:.1f} MiB per 100 steps (bound "
@@ -218,19 +221,9 @@ def _gather(ctx: CheckContext, prom: Prometheus, start: float, end: float, step_
     facts["network"] = {"nodes": nodes, "series_bps": series,
                         "capacity_source": "infra catalog" if catalog_link else "interface speed"}
 
-    # Memory per rank against the step; throughput per rank.
-    step_series = rng("fsdp_trainer_step")
-    leaks: dict[str, Any] = {}
-    memory: dict[str, Any] = {}
-    for metric, bound, kind in (("fsdp_trainer_host_rss_bytes", HOST_LEAK_BOUND_MIB, "host RSS"),
-                                ("fsdp_trainer_device_memory_bytes", DEVICE_LEAK_BOUND_MIB, "device memory")):
-        if kind == "device memory" and not ctx.on_gpu:
-            continue
-        for (job, rank), points in sorted(_pairs(step_series, rng(metric)).items()):
-            name = f"{job} rank {rank} {kind}"
-            leaks[name] = leak_verdict(points, bound)
-            memory[name] = points
-    facts["leaks"] = leaks
+    # Memory per rank against the step (the run's own records); throughput per rank (Prometheus).
+    memory = memory_series(ctx.training.get("steps") or [])
+    facts["leaks"] = {name: leak_verdict(points, bound) for name, (bound, points) in memory.items()}
     tokens = rng("fsdp_trainer_rank_tokens_per_second")
     per_rank: dict[str, list[float]] = defaultdict(list)
     for r in tokens:
@@ -241,6 +234,7 @@ def _gather(ctx: CheckContext, prom: Prometheus, start: float, end: float, step_
         "window": [start, end], "cpu_util": _series(cpu, "node"),
         "gpu_util": (facts["gpu"].get("series") or {}), "network_bps": series,
         "link_bps": {n: (f["link_gbps"] or 0) * 1e9 for n, f in nodes.items()},
-        "memory": memory, "per_rank_tokens_per_s": facts["per_rank_tokens_per_s"]}
+        "memory": {name: points for name, (_, points) in memory.items()},
+        "per_rank_tokens_per_s": facts["per_rank_tokens_per_s"]}
     facts["gpu"].pop("series", None)
     return facts

@@ -19,7 +19,7 @@ import pytest
 from fsdpctl import remote
 from fsdpctl.checks.context import CheckResult, check_context
 from fsdpctl.checks.monitoring import HOST_LEAK_BOUND_MIB, check_monitoring
-from fsdpctl.checks.torchrun import RUN_TIMEOUT_S
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_jsonl, step_lines
 from fsdpctl.checks.training import trainer_args
 from fsdpctl.monitor import NODE_QUERIES, Prometheus, by_node
 from fsdpctl.state import cluster_state
@@ -32,9 +32,8 @@ NAME = "mon-test"
 SUBNET = "198.18.30.0/24"  # the monitoring area's subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 REPO = Path(__file__).resolve().parents[2]
-# The leak fit needs MIN_FIT_STEPS distinct steps scraped (1 s apart) after the warm-up quarter. A
-# smoke-model step takes ~0.1 s on a quiet 2-core host (24 steps gave 3 scraped steps in CI), so the
-# run is made longer and heavier: 60 steps of 4x the batch, ~0.25 s each, ~11 s after warm-up.
+# Long enough for Prometheus (one scrape a second) to see both ranks' metrics while the run lasts: a
+# smoke-model step takes ~0.1 s on a quiet 2-core host, so 60 steps of 4x the batch, ~0.25 s each.
 LEAK_STEPS = 60
 LEAK_BATCH = 64
 LEAK_MIB_PER_STEP = 8
@@ -112,7 +111,9 @@ def leak_run(state):
     finally:
         job.stop()
     assert failure is None, failure
+    # What the fsdp check hands the monitoring check: the run's window and its step records.
     ctx.training["window"] = [started, time.time()]
+    ctx.training["steps"] = step_lines(read_remote_jsonl(state, 0, f"{ctx.work_dir}/leak-metrics.jsonl"))
     result = CheckResult("monitoring")
     check_monitoring(ctx, result)
     left = remote.run_all(state, "ls /var/lib/prometheus/node-exporter")
@@ -131,8 +132,9 @@ def test_a_leaking_worker_fails_the_leak_check(leak_run):
     result = leak_run["result"]
     assert result.status == "fail", result.summary
     leaks = result.details["leaks"]
-    rank1 = leaks[f"{leak_run['run_id']} rank 1 host RSS"]
-    rank0 = leaks[f"{leak_run['run_id']} rank 0 host RSS"]
+    assert set(leaks) == {"rank 0 host RSS", "rank 1 host RSS"}  # no device memory on CPU
+    rank1, rank0 = leaks["rank 1 host RSS"], leaks["rank 0 host RSS"]
+    assert rank1["steps_fitted"] == rank0["steps_fitted"] >= LEAK_STEPS // 2  # every logged step
     assert rank1["status"] == "fail" and rank1["mib_per_100_steps"] > HOST_LEAK_BOUND_MIB
     # The fit sees the injected rate (8 MiB a step = 800 MiB per 100 steps) within noise.
     assert 0.7 * LEAK_MIB_PER_STEP * 100 < rank1["mib_per_100_steps"] < 1.3 * LEAK_MIB_PER_STEP * 100
@@ -152,18 +154,18 @@ def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):
 
 
 def test_smoke_report_carries_the_monitoring_check(home):
-    # 100 steps: with Slurm up the fsdp run is a batch job whose steps pass quickly (~0.15 s); the leak
-    # fit needs 4 scraped steps after the warm-up quarter, at one scrape a second
+    # The leak fit reads the run's logged steps (the smoke run logs every one): 40 steps fit 30
     result = fsdpctl(home, "smoke", "--cluster", NAME, "--skip", "bandwidth", "--skip", "recovery",
-                     "--steps", "100", timeout=900, check=False)
+                     "--steps", "40", timeout=900, check=False)
     run_dir = sorted((home / "reports" / NAME).glob("*-smoke"))[-1]
     report = json.loads((run_dir / "report.json").read_text())
     check = next(c for c in report["checks"] if c["name"] == "monitoring")
     assert result.returncode == 0 and check["status"] == "pass", check["summary"] + result.stdout[-3000:]
     assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
                                                      "recovery"]
-    fitted = [v for v in check["details"]["leaks"].values() if v["status"] != "skip"]
-    assert len(fitted) >= 2 and all(v["status"] == "pass" for v in fitted)
+    leaks = check["details"]["leaks"]
+    assert set(leaks) == {"rank 0 host RSS", "rank 1 host RSS"}
+    assert all(v["status"] == "pass" and v["steps_fitted"] >= 20 for v in leaks.values())
     network = check["details"]["network"]["nodes"]
     assert set(network) == set(NODES) and all(0 < n["peak_share"] < 0.8 for n in network.values())
     monitoring = report["training"]["monitoring"]

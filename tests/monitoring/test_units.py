@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from fsdpctl.checks.monitoring import (
+    DEVICE_LEAK_BOUND_MIB,
     HOST_LEAK_BOUND_MIB,
     MIB,
     MIN_FIT_STEPS,
-    _pairs,
     after_warmup,
     gpu_problems,
     gpu_utilisation,
     leak_verdict,
     least_squares_slope,
+    memory_series,
 )
 from fsdpctl.checks.report import monitoring_plots
 from fsdpctl.monitor import NODE_QUERIES, render_view
@@ -29,7 +30,8 @@ from tests.monitoring.promql import metric_names
 from trainer.config import MetricsConfig
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError
-from trainer.prometheus import METRICS, RankMetrics, current_rss_bytes, render
+from trainer.metrics import current_memory_bytes
+from trainer.prometheus import METRICS, RankMetrics, render
 
 REPO = Path(__file__).resolve().parents[2]
 EFA_SCRIPT = REPO / "ansible/roles/monitoring/files/fsdp-efa-counters.py"
@@ -105,11 +107,32 @@ def test_gpu_utilisation_is_the_mean_after_warmup_and_every_expected_gpu_must_re
     assert gpu_utilisation([_dcgm("n0", 0, [99])], ["n0/gpu0"], since=102)["missing"] == ["n0/gpu0"]
 
 
-def test_pairs_join_step_and_value_on_the_sample_time_one_point_per_step():
-    labels = {"job": "j", "rank": "1"}
-    steps = [{"metric": labels, "values": [[1.0, "3"], [2.0, "3"], [3.0, "5"]]}]
-    values = [{"metric": labels, "values": [[1.0, "100"], [2.0, "100"], [3.0, "140"], [4.0, "150"]]}]
-    assert _pairs(steps, values) == {("j", "1"): [(3.0, 100.0), (5.0, 140.0)]}
+def test_memory_series_per_rank_from_the_steps_that_read_memory():
+    # The trainer reads memory at each flush: here steps 1, 10 and 20 (log_interval 10); device
+    # memory only on GPU runs.
+    lines = [{"step": 1, "host_rss_bytes_per_rank": [100, 200], "device_mem_bytes_per_rank": [5, 6]},
+             *({"step": s} for s in range(2, 10)),
+             {"step": 10, "host_rss_bytes_per_rank": [110, 260], "device_mem_bytes_per_rank": [5, 7]},
+             {"step": 20, "host_rss_bytes_per_rank": [120, 320], "device_mem_bytes_per_rank": [5, 8]}]
+    series = memory_series(lines)
+    assert series["rank 1 host RSS"] == (HOST_LEAK_BOUND_MIB, [(1.0, 200.0), (10.0, 260.0), (20.0, 320.0)])
+    assert series["rank 0 device memory"] == (DEVICE_LEAK_BOUND_MIB, [(1.0, 5.0), (10.0, 5.0), (20.0, 5.0)])
+    assert set(series) == {f"rank {r} {k}" for r in (0, 1) for k in ("host RSS", "device memory")}
+    cpu = memory_series([{"step": s, "host_rss_bytes_per_rank": [100]} for s in range(1, 4)])
+    assert set(cpu) == {"rank 0 host RSS"}
+    assert memory_series([]) == {}
+
+
+def test_a_leak_is_fitted_from_every_logged_step_of_a_short_run():
+    # 20 smoke steps logged every step: the fit sees 15 steps after warm-up, where a Prometheus scrape
+    # every 2 s would have caught one or two of them.
+    lines = [{"step": s, "host_rss_bytes_per_rank": [(500 + (s * 8 if s > 3 else 0)) * MIB, 500 * MIB]}
+             for s in range(1, 21)]
+    series = memory_series(lines)
+    leaking = leak_verdict(series["rank 0 host RSS"][1], HOST_LEAK_BOUND_MIB)
+    assert leaking["status"] == "fail" and leaking["mib_per_100_steps"] == pytest.approx(800)
+    assert leaking["steps_fitted"] == 15
+    assert leak_verdict(series["rank 1 host RSS"][1], HOST_LEAK_BOUND_MIB)["status"] == "pass"
 
 
 def _runtime(rank: int = 1, world: int = 2) -> Runtime:
@@ -149,13 +172,13 @@ def test_rank_metrics_refuses_a_directory_it_cannot_write(tmp_path):
 def test_the_fault_injection_knob_grows_only_the_chosen_ranks_memory():
     cfg = MetricsConfig(fault_leak_mib_per_step=16, fault_leak_rank=1)
     leaking, healthy = RankMetrics.create(cfg, _runtime(1)), RankMetrics.create(cfg, _runtime(0))
-    before = current_rss_bytes()
+    before = current_memory_bytes(torch.device("cpu"))[0]
     for step in range(1, 5):
         healthy.after_step([_record(step)])
-    assert current_rss_bytes() - before < 8 * MIB
+    assert current_memory_bytes(torch.device("cpu"))[0] - before < 8 * MIB
     for step in range(1, 5):
         leaking.after_step([_record(step)])
-    assert current_rss_bytes() - before >= 4 * 15 * MIB
+    assert current_memory_bytes(torch.device("cpu"))[0] - before >= 4 * 15 * MIB
     leaking.close()
 
 

@@ -48,6 +48,16 @@ def test_one_record_per_step_then_summary(tiny_run):
         else:
             assert r["grad_sync_s"] is None and r["grad_sync_share"] is None
         assert r["mfu"] is None  # no known peak for a CPU
+    # Memory now (what a leak grows) is read once per flush: after the first step, then every
+    # log_interval steps; it is on the flush's last record, in bytes like the peak resident set (the
+    # two are read differently, statm and getrusage, so neither bounds the other exactly).
+    flushes = [r for r in steps if "host_rss_bytes_per_rank" in r]
+    assert [r["step"] for r in flushes] == [1, *range(cfg.metrics.log_interval, cfg.training.steps + 1,
+                                                      cfg.metrics.log_interval)]
+    for r in flushes:
+        pairs = zip(r["host_rss_bytes_per_rank"], r["mem_bytes_per_rank"], strict=True)
+        assert all(0.5 * peak < rss < 2 * peak for rss, peak in pairs)
+    assert not any("device_mem_bytes_per_rank" in r for r in steps)  # CPU: no device memory
     assert steps[0]["lr"] == pytest.approx(cfg.optim.lr / cfg.optim.warmup_steps)
     assert max(r["lr"] for r in steps) == pytest.approx(cfg.optim.lr)
     assert summary["event"] == "summary" and summary["steps"] == len(steps)
