@@ -202,13 +202,25 @@ def run_slurm(state: ClusterState, command: str, *, check: bool = True, timeout:
     return result
 
 
-def slurm_configured(state: ClusterState) -> bool:
-    """Whether slurmctld answers (the smoke checks then run as Slurm jobs)."""
+def slurm_status(state: ClusterState) -> tuple[bool, str]:
+    """(whether slurmctld answers, why not): the reason is empty where Slurm is not installed at all
+    (a cluster configured without the slurm role), and says what `scontrol ping` saw otherwise."""
     try:
         result = remote.run(state, slurm_rank(state), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
     except UsageError:
-        return False
-    return result.returncode == 0 and " is UP" in result.stdout
+        return False, ""
+    if result.returncode == 0 and " is UP" in result.stdout:
+        return True, ""
+    if result.returncode == 127:  # no scontrol on the node
+        return False, ""
+    seen = (result.stdout + result.stderr).strip().splitlines()
+    last = seen[-1] if seen else f"exit {result.returncode}"
+    return False, f"slurmctld does not answer (`scontrol ping`: {last})"
+
+
+def slurm_configured(state: ClusterState) -> bool:
+    """Whether slurmctld answers (the smoke checks then run as Slurm jobs)."""
+    return slurm_status(state)[0]
 
 
 def jobs_root(state: ClusterState) -> str:

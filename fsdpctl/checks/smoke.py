@@ -42,7 +42,7 @@ from fsdpctl.checks.training import check_fsdp, check_recovery
 from fsdpctl.console import Out, say, stage
 from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
-from fsdpctl.slurm import slurm_configured
+from fsdpctl.slurm import slurm_status
 from fsdpctl.state import ClusterState, resolve
 
 CHECKS = ("inventory", "bandwidth", "fsdp", "monitoring", "recovery")
@@ -69,9 +69,13 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
     if not plots:
         out(f"note: {PLOTS_MISSING}")
     ctx = check_context(state, "smoke", steps=steps or 20, out=out)
-    ctx.slurm = bool(ctx.shared) and slurm_configured(state)
+    slurm_up, slurm_problem = slurm_status(state)
+    ctx.slurm = bool(ctx.shared) and slurm_up
     if ctx.slurm:
         out("Slurm runs on the cluster: the fsdp and recovery checks run as Slurm jobs")
+    elif slurm_problem:
+        out(f"note: Slurm is installed but {slurm_problem}; the fsdp and recovery checks run under "
+            "torchrun instead (`fsdpctl configure --tags slurm` starts it)")
     spec, record, ranks, work_dir = ctx.spec, state.read(), ctx.ranks, ctx.work_dir
     started = datetime.now(UTC).isoformat(timespec="seconds")
     results: list[CheckResult] = []
@@ -105,6 +109,8 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
     report = {
         "cluster": state.name, "target": record.target, "instance_type": spec.instance_type,
         "nodes": len(ranks), "nproc_per_node": ctx.nproc, "started_at": started,
+        # how the fsdp and recovery checks ran: as Slurm jobs, or torchrun agents started over SSH
+        "scheduler": "slurm" if ctx.slurm else "torchrun",
         "passed": not failed, "failed": failed,
         "checks": [r.as_dict() for r in results],
         "bandwidth": ctx.bandwidth,

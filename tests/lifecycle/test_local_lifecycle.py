@@ -68,6 +68,7 @@ def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo, home):
         assert f"fsdpctl {stage}" in result.stdout
     report = _report(home)
     assert report["passed"] and report["failed"] == []
+    assert report["scheduler"] == "slurm"  # the demo's fsdp and recovery checks ran as Slurm jobs
     assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
                                                      "recovery"]
     assert {c["status"] for c in report["checks"]} == {"pass"}

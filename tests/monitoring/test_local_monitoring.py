@@ -163,6 +163,7 @@ def test_smoke_report_carries_the_monitoring_check(home):
     assert result.returncode == 0 and check["status"] == "pass", check["summary"] + result.stdout[-3000:]
     assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
                                                      "recovery"]
+    assert report["scheduler"] == "slurm"
     leaks = check["details"]["leaks"]
     assert set(leaks) == {"rank 0 host RSS", "rank 1 host RSS"}
     assert all(v["status"] == "pass" and v["steps_fitted"] >= 20 for v in leaks.values())
