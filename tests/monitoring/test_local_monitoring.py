@@ -40,6 +40,7 @@ LEAK_MIB_PER_STEP = 8
 # Exported only where the hardware is (dcgm-exporter's default counters on GPU nodes; the EFA
 # script's counters on EFA nodes, whose format test_units checks): absent from a local run.
 HARDWARE_ONLY = {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE",
+                 "DCGM_FI_DEV_POWER_USAGE", "DCGM_FI_DEV_XID_ERRORS",
                  "fsdp_efa_rx_bytes_total", "fsdp_efa_tx_bytes_total", "fsdp_efa_rdma_read_bytes_total",
                  "fsdp_efa_rdma_write_bytes_total"}
 
@@ -151,6 +152,26 @@ def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):
     assert "fsdp_trainer_host_rss_bytes" in queried and "node_cpu_seconds_total" in queried
     assert queried - leak_run["names"] - HARDWARE_ONLY == set()
     assert HARDWARE_ONLY & leak_run["names"] == set()  # else move it out of HARDWARE_ONLY
+    variable = dashboard["templating"]["list"][0]
+    assert variable["name"] == "job" and variable["query"]["query"] == "label_values(fsdp_trainer_step, job)"
+
+
+def test_every_dashboard_query_is_valid_promql_that_prometheus_answers(state, leak_run):
+    # Grafana's variables as Grafana would fill them; a syntax error or a wrong function is a 400,
+    # which Prometheus() raises as PrometheusError.
+    dashboard = json.loads((REPO / "dashboards/fsdp-cluster.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(exprs) >= 24
+    # Evaluated when both ranks' series were seen live, so the trainer panels have data too.
+    while_training = float(leak_run["live"][0]["value"][0])
+    answered = {}
+    with Prometheus(state) as prom:
+        for expr in exprs:
+            filled = expr.replace("$__rate_interval", "10s").replace("$job", leak_run["run_id"])
+            answered[expr] = prom.query(filled, at=while_training)
+    # What a local node has (no GPU, no EFA) answers with data: the node and the trainer panels.
+    empty = [e for e, result in answered.items() if not result and not (metric_names(e) & HARDWARE_ONLY)]
+    assert empty == []
 
 
 def test_smoke_report_carries_the_monitoring_check(home):
