@@ -39,16 +39,19 @@ EXTRA_VARS = {
     "nccl_tests_url": dlami.NCCL_TESTS_TARBALL,
 }
 LINE = re.compile(
-    r"^\s+(ok|changed|skipped|failed|ignored|unreachable)\s+(\S+)\s+(\w+) : (.+?)(?:  \(.*\))?$", re.MULTILINE
+    r"^\s+(ok|changed|skipped|failed|ignored|unreachable)\s+(\S+)\s+(\w+) : (.+?)(?:  \((.*)\))?$",
+    re.MULTILINE,
 )
 RECAP = re.compile(r"^(\S+) ok=(\d+) changed=(\d+) failed=(\d+) skipped=(\d+)", re.MULTILINE)
 
 
 def results(stdout: str) -> dict[tuple[str, str, str], set[str]]:
-    """(host, role, task) -> the statuses it had (a looped task has several)."""
+    """(host, role, task) -> the statuses it had (a looped task has several). A skip that fired (the
+    fsdp.cluster.skip module, whose reason the progress line prints) is `skipped (reason)`; a task
+    whose `when` was false is plain `skipped`."""
     found: dict[tuple[str, str, str], set[str]] = {}
-    for status, host, role, task in LINE.findall(stdout):
-        found.setdefault((host, role, task.strip()), set()).add(status)
+    for status, host, role, task, reason in LINE.findall(stdout):
+        found.setdefault((host, role, task.strip()), set()).add(f"{status} ({reason})" if reason else status)
     return found
 
 
@@ -137,7 +140,7 @@ def test_first_run_goes_through_every_hardware_role(first_run):
     assert first_run.returncode == 0, out[-6000:] + first_run.stderr[-2000:]
     found = results(out)
     for host in NODES:
-        # no role skipped its hardware: the role-level skips did not fire
+        # no role skipped its hardware: the role-level skips did not fire (no reason printed)
         for role, skip in [
             ("nvidia", "Skip the NVIDIA driver (no NVIDIA GPU)"),
             ("cuda", "Skip CUDA and GDRCopy (no NVIDIA GPU)"),

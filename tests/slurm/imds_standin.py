@@ -1,10 +1,11 @@
 """A stand-in for the EC2 instance metadata service (IMDSv2), run on a test node's loopback.
 
 PUT /latest/api/token returns a token; GETs must carry it (401 otherwise). The spot instance-action
-document is served (200) once the file given as --notice exists, 404 before, as EC2 does. Standard
-library only (the node's system python3).
+document is served (200) once the file given as --notice exists, and the rebalance recommendation
+once the file given as --rebalance exists; 404 before, as EC2 does. Standard library only (the
+node's system python3).
 
-    python3 imds_standin.py --port 18080 --notice /tmp/spot-notice.json
+    python3 imds_standin.py --port 18080 --notice /tmp/spot-notice.json --rebalance /tmp/rebalance.json
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 TOKEN = "standin-token"
 
 
-def handler(notice: str):
+def handler(documents: dict[str, str]):
+    """`documents`: metadata path -> the file whose content is served there once it exists."""
+
     class Handler(BaseHTTPRequestHandler):
         def _send(self, code: int, body: str = "") -> None:
             data = body.encode()
@@ -34,8 +37,8 @@ def handler(notice: str):
         def do_GET(self) -> None:
             if self.headers.get("X-aws-ec2-metadata-token") != TOKEN:
                 self._send(401)
-            elif self.path == "/latest/meta-data/spot/instance-action" and os.path.exists(notice):
-                with open(notice) as f:
+            elif self.path in documents and os.path.exists(documents[self.path]):
+                with open(documents[self.path]) as f:
                     self._send(200, f.read())
             else:
                 self._send(404)
@@ -49,9 +52,12 @@ def handler(notice: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--notice", required=True, help="file whose content is the instance-action document")
+    parser.add_argument("--notice", required=True, help="file holding the instance-action document")
+    parser.add_argument("--rebalance", required=True, help="file holding the rebalance recommendation")
     args = parser.parse_args()
-    ThreadingHTTPServer(("127.0.0.1", args.port), handler(args.notice)).serve_forever()
+    documents = {"/latest/meta-data/spot/instance-action": args.notice,
+                 "/latest/meta-data/events/recommendations/rebalance": args.rebalance}
+    ThreadingHTTPServer(("127.0.0.1", args.port), handler(documents)).serve_forever()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module):
 after `configure --tags slurm` every node is idle in sinfo and a second configure changes nothing;
 a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a node's workers killed
-mid-job make the job requeue and finish from its checkpoint; the spot watcher drains its node on a
-notice from an IMDS stand-in on the node's loopback; `fsdpctl exclude` drains the node.
+mid-job make the job requeue and finish from its checkpoint, repeating the lost steps with the same
+losses; the spot watcher drains its node on a rebalance recommendation and on an interruption
+notice from an IMDS stand-in on the node's loopback, and the job running there checkpoints at once;
+`fsdpctl exclude` drains the node.
 
 The tests run in file order (the last ones drain nodes)."""
 
@@ -114,13 +116,17 @@ def test_second_configure_changes_nothing(cluster):
     assert {h: c["changed"] for h, c in hosts.items()} == {n: 0 for n in NODES}
 
 
+# The killed-workers job runs as this one does; this one, uninterrupted, is its reference.
+KILL_RUN = ("--steps", "60", "--checkpoint-interval", "5", "--set", "metrics.log_interval=1")
+
+
 def test_two_node_training_job_completes_and_loss_falls(cluster):
-    job_id = train(cluster, "--steps", "20", "--checkpoint-interval", "10", "--name", "tiny-2n")
+    job_id = train(cluster, *KILL_RUN, "--name", "tiny-2n")
     row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "job completion")
-    assert row["last_step"] == 20 and row["status"] == "completed 0"
+    assert row["last_step"] == 60 and row["status"] == "completed 0"
     assert row["nodes"] == f"{NAME}-node[0-1]"
     lines = steps(shared(cluster) / "fsdp-cluster/jobs/tiny-2n/metrics.jsonl")
-    assert [r["step"] for r in lines] == list(range(1, 21))
+    assert [r["step"] for r in lines] == list(range(1, 61))
     assert sum(r["loss"] for r in lines[-5:]) < sum(r["loss"] for r in lines[:5])
     script = (shared(cluster) / "fsdp-cluster/jobs/tiny-2n/job.sbatch").read_text()
     assert "#SBATCH --requeue" in script
@@ -145,8 +151,7 @@ def test_cancelled_job_ends_without_a_requeue(cluster):
 def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(cluster):
     # a record per step (the default log interval of 10 would leave the steps after the last flush
     # unlogged when the workers are killed)
-    job_id = train(cluster, "--steps", "60", "--checkpoint-interval", "5", "--name", "tiny-kill",
-                   "--set", "metrics.log_interval=1")
+    job_id = train(cluster, *KILL_RUN, "--name", "tiny-kill")
     job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-kill"
     wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
     killed = ssh(cluster, 1, f"pids=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent)) && kill -KILL $pids && "
@@ -157,10 +162,19 @@ def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(clust
     log = (job_dir / f"slurm-{job_id}.out").read_text()
     assert "requeued (run 0" in log and f"job {job_id} run 1 on" in log
     assert "checkpoint: resumed from" in log
-    numbers = [r["step"] for r in steps(job_dir / "metrics.jsonl")]
-    restart = next(i for i in range(1, len(numbers)) if numbers[i] <= numbers[i - 1])
-    assert numbers[restart] % 5 == 1  # the requeued run starts right after a checkpoint
-    assert numbers[restart:] == list(range(numbers[restart], 61))
+    resumed = int(re.search(r"checkpoint: resumed from \S+ \(step (\d+)\)", log).group(1))
+    assert resumed % 5 == 0 and resumed >= 5  # a committed checkpoint from before the kill
+    records = steps(job_dir / "metrics.jsonl")
+    requeued = records[len(records) - (60 - resumed):]
+    assert [r["step"] for r in requeued] == list(range(resumed + 1, 61))
+    # Every step, before and after the requeue, has the loss of the uninterrupted run of the same job
+    # (the previous test's): the resumed run is that run (data order, optimizer state, learning rate).
+    uninterrupted = steps(shared(cluster) / "fsdp-cluster/jobs/tiny-2n/metrics.jsonl")
+    reference = {r["step"]: r["loss"] for r in uninterrupted}
+    assert len(reference) == 60
+    differing = {r["step"]: (r["loss"], reference[r["step"]]) for r in records
+                 if r["loss"] != pytest.approx(reference[r["step"]], rel=1e-5)}
+    assert differing == {}
 
 
 def test_sigusr1_checkpoints_at_the_next_step_and_the_requeued_job_goes_on_from_there(cluster):
@@ -181,23 +195,45 @@ def test_sigusr1_checkpoints_at_the_next_step_and_the_requeued_job_goes_on_from_
     assert [r["step"] for r in steps(job_dir / "metrics.jsonl")] == list(range(1, 41))
 
 
-def test_spot_watcher_drains_its_node_on_a_notice(cluster):
+def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notice(cluster):
     home, env = cluster
     ssh(cluster, 1, f"cat > /tmp/imds_standin.py <<'EOF'\n{STANDIN.read_text()}\nEOF\n"
-        "rm -f /tmp/spot-notice.json; (setsid nohup python3 /tmp/imds_standin.py --port 18080 "
-        "--notice /tmp/spot-notice.json > /tmp/imds.log 2>&1 &)")
+        "rm -f /tmp/spot-notice.json /tmp/rebalance.json; (setsid nohup python3 /tmp/imds_standin.py "
+        "--port 18080 --notice /tmp/spot-notice.json --rebalance /tmp/rebalance.json > /tmp/imds.log 2>&1 &)")
     fsdpctl(home, "configure", "--tags", "slurm", "--limit", NODES[1],
             "-e", "slurm_spot_watcher_enabled=true", "-e", "slurm_spot_watcher_endpoint=http://127.0.0.1:18080",
             "-e", "slurm_spot_watcher_interval=1", env=env, timeout=600)
     assert ssh(cluster, 1, "systemctl is-active fsdp-spot-watcher").stdout.strip() == "active"
     time.sleep(3)
     assert node_states(cluster)[NODES[1]] == ("idle", "none")  # no notice yet: nothing happens
+
+    # A rebalance recommendation (EC2's earlier, softer warning) drains the node too.
+    ssh(cluster, 1, "echo '{\"noticeTime\": \"2026-12-03T07:50:00Z\"}' > /tmp/rebalance.json")
+    _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
+                         "the drain on a rebalance recommendation", timeout=60)
+    assert reason.startswith('rebalance recommendation notice: {"noticeTime"')
+    ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+
+    # The interruption notice with a job running there: drain, and the job checkpoints at once.
+    job_id = train(cluster, "--steps", "400", "--checkpoint-interval", "1000", "--name", "tiny-spot")
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-spot"
+    wait_for(lambda: steps(job_dir / "metrics.jsonl"), "the first step")
     notice = '{"action": "terminate", "time": "2026-12-03T08:00:00Z"}'
     ssh(cluster, 1, f"echo '{notice}' > /tmp/spot-notice.json")
-    _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
-                             "the drain", timeout=60)
+    _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] in ("drained", "draining") and s,
+                         "the drain", timeout=60)
     assert reason.startswith('spot interruption notice: {"action": "terminate"')
+    log = job_dir / f"slurm-{job_id}.out"
+    wait_for(lambda: "saved and verified" in log.read_text(), "the checkpoint the notice asked for",
+             timeout=120)
+    text = log.read_text()
+    assert "SIGUSR1: asking the workers to checkpoint" in text, text[-3000:]
+    stop = int(re.search(r"stop: checkpoint of step (\d+) saved and verified", text).group(1))
+    assert stop < 400  # saved where the notice found it, not at the end
+    # Requeued, it cannot start while node 1 is drained (it needs both): cancel it, then undo the drain.
+    ssh(cluster, 0, f"scancel {job_id}")
     ssh(cluster, 1, f"systemctl stop fsdp-spot-watcher; scontrol update nodename={NODES[1]} state=RESUME")
+    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
 
 
 def test_exclude_drains_the_node_with_the_reason(cluster):
