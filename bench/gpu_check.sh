@@ -45,7 +45,8 @@ options:
 
 environment: GPU_CHECK_DEVICE=cuda|cpu, GPU_CHECK_WORK (step directories), GPU_CHECK_SITE (where missing
 modules are installed, default /tmp/gpu-check-site), GPU_CHECK_MICRO_BATCH (sequences per GPU, default 8),
-GPU_CHECK_PEAK_FLOPS (MFU peak for an unlisted GPU), PYTHON (default python3).
+GPU_CHECK_PEAK_FLOPS (MFU peak for an unlisted GPU), GPU_CHECK_SET (extra trainer KEY=VALUE settings,
+space-separated), PYTHON (default python3).
 EOF
 }
 
@@ -135,6 +136,12 @@ BASE=(--config "$CONFIG" --set "distributed.device=$DEVICE" --set "training.glob
       --set training.gradient_accumulation=1 --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32
       --set metrics.log_interval=1)
 [[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && BASE+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
+# Extra trainer settings for every trainer step, e.g. GPU_CHECK_SET='optim.fused=true' to measure a
+# change against a run without it (space-separated KEY=VALUE).
+for setting in ${GPU_CHECK_SET:-}; do
+  [[ $setting == *=* ]] || die_usage "GPU_CHECK_SET: '$setting' is not KEY=VALUE (e.g. GPU_CHECK_SET='optim.fused=true')"
+  BASE+=(--set "$setting")
+done
 FLAT_LR=(--set optim.warmup_steps=0 --set optim.min_lr_ratio=1.0 --set optim.lr=3e-4)
 # The resume step's first half runs 2 steps past its checkpoint at step K_RESUME, so that async save is
 # staged while training goes on (on CUDA: the pinned copy on a side stream), and the second half

@@ -30,6 +30,8 @@ def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProc
     (["--budget", "ten"], {}, "--budget 'ten' must be a whole number of seconds >= 60"),
     ([], {"GPU_CHECK_DEVICE": "tpu"}, "GPU_CHECK_DEVICE='tpu' is not a device; use cuda"),
     (["--dry-run"], {"GPU_CHECK_MICRO_BATCH": "0"}, "GPU_CHECK_MICRO_BATCH='0' must be a positive"),
+    (["--dry-run"], {"GPU_CHECK_SET": "optim.fused=true compile"},
+     "GPU_CHECK_SET: 'compile' is not KEY=VALUE"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(args, env, message):
     result = run(*args, **env)
@@ -64,6 +66,14 @@ def test_plan_selects_the_compile_step_alone(tmp_path):
     for other in ("bf16", "fp16", "resume", "throughput", "collectives"):
         assert f"{other}: not selected" in result.stdout
     assert not (tmp_path / "o").exists()  # a plan runs and writes nothing
+
+
+def test_extra_settings_reach_every_trainer_command(tmp_path):
+    result = run("--plan", "--dry-run", "--out", str(tmp_path / "o"), GPU_CHECK_SET="optim.fused=true")
+    assert result.returncode == 0, result.stderr
+    trainer_lines = [line for line in result.stdout.splitlines() if "-m  trainer " in line]
+    assert len(trainer_lines) == 6  # bf16, compile, fp16 and the resume step's three runs
+    assert all("--set  optim.fused=true" in line for line in trainer_lines)
 
 
 def test_gpu_plan_uses_the_1b_preset_in_bf16():

@@ -40,6 +40,9 @@ SCENARIOS = {
                            "training.gradient_accumulation=2"],
     "full_shard_ac_offload": ["parallel.strategy=FULL_SHARD", "training.gradient_accumulation=2",
                               "parallel.activation_checkpointing=true", "parallel.cpu_offload=true"],
+    # AdamW's fused kernel on sharded (DTensor) parameters, the reference fused too.
+    "full_shard_fused_adamw": ["parallel.strategy=FULL_SHARD", "training.gradient_accumulation=2",
+                               "optim.fused=true"],
     # Reduced precision: compared to the fp32 reference with a looser tolerance (test_parity.py).
     "bf16_params": ["parallel.param_dtype=bf16", "parallel.reduce_dtype=fp32"],
     "bf16_reduce": ["parallel.reduce_dtype=bf16"],

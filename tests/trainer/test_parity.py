@@ -16,7 +16,7 @@ from tests.trainer.conftest import assert_ok, torchrun
 from tests.trainer.dist_worker import SCENARIOS, STEPS
 
 EXACT = ["full_shard", "full_shard_accum", "shard_grad_op_accum", "no_shard_accum", "hybrid_shard_accum",
-         "full_shard_ac_offload"]
+         "full_shard_ac_offload", "full_shard_fused_adamw"]
 REDUCED = ["bf16_params", "bf16_reduce", "fp16_grad_scaler"]
 FP32_TOLERANCE = 1e-5
 

@@ -88,6 +88,23 @@ def test_exposed_communication_is_what_compute_does_not_cover():
     assert uncovered(comm, [(-1.0, 5.0)]) == 0.0
 
 
+def test_fused_adamw_is_chosen_by_the_config_and_steps_like_foreach():
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)]
+    models[1].load_state_dict(models[0].state_dict())
+    cfgs = [OptimConfig(lr=1e-2, warmup_steps=0), OptimConfig(lr=1e-2, warmup_steps=0, fused=True)]
+    optimizers = [build_optimizer(m, c) for m, c in zip(models, cfgs, strict=True)]
+    assert (optimizers[0].defaults["foreach"], optimizers[1].defaults["fused"]) == (True, True)
+    batch = torch.randn(4, 8)
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model(batch).square().mean().backward()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_resume_applies_the_new_learning_rate():
     model = torch.nn.Linear(4, 4)
     old = OptimConfig(lr=3e-3, warmup_steps=2, min_lr_ratio=1.0)
