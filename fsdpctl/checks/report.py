@@ -7,7 +7,7 @@ A report is a plain dict:
      "passed": bool, "failed": [check names],
      "checks": [{"name", "status": "pass"|"fail"|"skip", "summary", "duration_s", "details"}],
      "bandwidth": collectives result (trainer.collectives) or None,
-     "training": {"steps": [metrics lines], "per_rank": [{"rank", "tokens_per_s", "max_mem_bytes"}],
+     "training": {"steps": [metrics lines], "per_rank": [{"rank", "max_mem_bytes"}],
                   "window": [start, end] of the fsdp check (Unix time),
                   "monitoring": Prometheus series of that window (fsdpctl/checks/monitoring.py)}}
 
@@ -177,10 +177,6 @@ def plots(report: Mapping[str, Any]) -> dict[str, str]:
     if steps:
         out["Loss"] = _loss_plot(steps)
     per_rank = training.get("per_rank") or []
-    if any("tokens_per_s" in r for r in per_rank):
-        out["Tokens/s per rank"] = _per_rank_plot(
-            [r for r in per_rank if "tokens_per_s" in r], "tokens_per_s", 1.0, "tokens/s",
-            "throughput per rank")
     if any("max_mem_bytes" in r for r in per_rank):
         out["Memory per rank"] = _per_rank_plot(
             [r for r in per_rank if "max_mem_bytes" in r], "max_mem_bytes", 2**20, "MiB",

@@ -155,17 +155,14 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
 
 
 def per_rank_figures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Peak memory of each rank over the run, and throughput per rank (steps are synchronous across
-    ranks, so each rank's tokens/s is the global figure divided by the world size; the first step,
-    start-up included, is left out)."""
+    """Peak memory of each rank over the run. (Throughput per rank is what each rank measured of
+    itself, from Prometheus: the monitoring check's `per_rank_tokens_per_s`.)"""
     per_step = [r["mem_bytes_per_rank"] for r in lines if r.get("mem_bytes_per_rank")]
     if not per_step:
         return []
-    timed = lines[1:] or lines
     world = len(per_step[-1])
-    tokens = sum(r["tokens_per_s"] for r in timed) / len(timed) / world
-    return [{"rank": rank, "max_mem_bytes": max(m[rank] for m in per_step if len(m) == world),
-             "tokens_per_s": tokens} for rank in range(world)]
+    return [{"rank": rank, "max_mem_bytes": max(m[rank] for m in per_step if len(m) == world)}
+            for rank in range(world)]
 
 
 def check_recovery(ctx: CheckContext, result: CheckResult) -> None:

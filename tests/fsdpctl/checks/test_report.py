@@ -26,8 +26,8 @@ def _report(passed: bool = True):
             {"bytes": 1 << 20, "algbw_gbps": 0.2, "busbw_gbps": 0.2}]},
         "bandwidth_gate_gbps": 0.02,
         "training": {"steps": [{"step": i, "loss": 6.0 - 0.1 * i} for i in range(1, 11)],
-                     "per_rank": [{"rank": 0, "tokens_per_s": 700.0, "max_mem_bytes": 3 << 28},
-                                  {"rank": 1, "tokens_per_s": 690.0, "max_mem_bytes": 3 << 28}]},
+                     "per_rank": [{"rank": 0, "max_mem_bytes": 3 << 28},
+                                  {"rank": 1, "max_mem_bytes": 3 << 28}]},
     }
 
 
@@ -40,8 +40,7 @@ def test_table_lists_every_check_with_its_result():
 
 def test_plots_are_png_for_each_kind_of_data():
     images = plots(_report())
-    assert set(images) == {"All-reduce bandwidth vs message size", "Loss", "Tokens/s per rank",
-                           "Memory per rank"}
+    assert set(images) == {"All-reduce bandwidth vs message size", "Loss", "Memory per rank"}
     for data in images.values():
         assert base64.b64decode(data).startswith(b"\x89PNG\r\n\x1a\n")
 
@@ -59,7 +58,7 @@ def test_write_report_json_round_trips_and_html_embeds_plots(tmp_path):
     page = html_path.read_text()
     assert "FAILED: bandwidth" in page
     assert "t&lt;1&gt;" in page  # escaped, not raw markup
-    assert len(re.findall(r"src='data:image/png;base64,", page)) == 4
+    assert len(re.findall(r"src='data:image/png;base64,", page)) == 3
     for name in ("inventory", "bandwidth", "fsdp", "recovery"):
         assert f"<td>{name}</td>" in page
 

@@ -28,10 +28,9 @@ def test_strong_global_batch_divides_every_world_size(counts, nproc):
     assert batch // (max(counts) * nproc) >= 2
 
 
-def test_per_rank_figures_take_each_ranks_peak_and_share_of_throughput():
+def test_per_rank_figures_take_each_ranks_peak():
     lines = [{"step": 1, "tokens_per_s": 10.0, "mem_bytes_per_rank": [5, 9]},
              {"step": 2, "tokens_per_s": 400.0, "mem_bytes_per_rank": [7, 8]},
              {"step": 3, "tokens_per_s": 600.0, "mem_bytes_per_rank": [6, 8]}]
-    assert per_rank_figures(lines) == [{"rank": 0, "max_mem_bytes": 7, "tokens_per_s": 250.0},
-                                       {"rank": 1, "max_mem_bytes": 9, "tokens_per_s": 250.0}]
+    assert per_rank_figures(lines) == [{"rank": 0, "max_mem_bytes": 7}, {"rank": 1, "max_mem_bytes": 9}]
     assert per_rank_figures([{"step": 1, "tokens_per_s": 1.0}]) == []
