@@ -29,6 +29,7 @@ from fsdpctl.checkout import ANSIBLE_DIR
 from fsdpctl.console import Out, line_buffered, say
 from fsdpctl.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
 from fsdpctl.inventory import write_inventory
+from fsdpctl.processes import processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes
 from fsdpctl.state import ClusterState, ConfigureRecord
 
@@ -183,6 +184,23 @@ def _control_dir(run_dir: Path) -> Iterator[Path]:
         shutil.rmtree(short, ignore_errors=True)
 
 
+def orphaned_playbooks(state: ClusterState) -> list[int]:
+    """ansible-playbook processes (and their forked workers) running on this cluster's inventory.
+    Called under the cluster's operation lock, so any there is belongs to a configure that was killed:
+    SIGKILL ends fsdpctl but not the playbook ansible-runner started, which may go on changing nodes."""
+    inventory = str(state.inventory_path)
+    return [pid for pid, argv, _ in processes()
+            if any(Path(a).name == "ansible-playbook" for a in argv[:2]) and inventory in argv]
+
+
+def stop_orphaned_playbooks(state: ClusterState, out: Out = say) -> None:
+    pids = orphaned_playbooks(state)
+    if pids:
+        listed = ", ".join(map(str, pids))
+        out(f"stopping ansible-playbook left running by an interrupted configure (pid {listed})")
+        terminate(pids)
+
+
 def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, limit: str | None = None,
                   extra_vars: dict[str, Any] | None = None,
                   out: Out = say) -> ConfigureResult:
@@ -193,6 +211,7 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
     if not playbook.exists():
         raise UsageError(f"{playbook} does not exist: fsdpctl configure needs the repository's ansible/ "
                            "directory (install fsdp-cluster from a checkout: pip install -e .)")
+    stop_orphaned_playbooks(state, out)  # two playbooks at once would race on the same nodes
     inventory = write_inventory(state)
     run_dir = state.new_run_dir("configure")
     ansible_home = run_dir / "ansible-home"

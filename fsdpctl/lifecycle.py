@@ -18,6 +18,7 @@ from typing import Any
 
 from fsdpctl import state as state_mod
 from fsdpctl import targets
+from fsdpctl.configure import stop_orphaned_playbooks
 from fsdpctl.console import confirm, line_buffered, print_json, say, warn
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.inventory import write_inventory
@@ -120,6 +121,7 @@ def cmd_down(args: Namespace) -> int:
         lines = "\n".join(f"  - {line}" for line in target.destruction(state, spec))
         say(f"fsdpctl down destroys cluster {state.name} ({record.target}):\n{lines}")
         confirm(f"Destroy cluster {state.name}?", yes=args.yes, what="fsdpctl down")
+        stop_orphaned_playbooks(state)  # a killed configure's playbook must not outlive its nodes
         target.down(state, spec, force=args.force, out=say)
         state.remove()
     kept = f"; its reports stay in {state.reports_dir}" if state.reports_dir.exists() else ""

@@ -106,6 +106,10 @@ def test_a_stage_killed_at_a_random_point_completes_when_rerun(home, cluster, fa
     if command == "configure":  # the rerun reached every host and nothing failed on any
         hosts = read_state(home, NAME)["last_configure"]["hosts"]
         assert len(hosts) == 2 and all(h["failed"] == 0 and h["unreachable"] == 0 for h in hosts.values())
+        # and the killed run's playbook, which SIGKILL of fsdpctl leaves running, is gone
+        playbooks = [p for p in host_leftovers(home, read_state(home, NAME)["local"])
+                     if "ansible-playbook" in p]
+        assert playbooks == []
 
 
 def test_smoke_killed_at_a_random_point_leaves_no_job_and_reruns(home, cluster, fault):

@@ -211,3 +211,29 @@ def test_down_force_repairs_nothing_while_another_command_holds_the_cluster(home
         assert main(["down", "--force", "--yes", "--cluster", "cli-busy"]) == 2
     assert "cluster cli-busy is busy: fsdpctl deploy" in capsys.readouterr().err
     assert state.state_path.read_text() == garbled  # not restored under the other command's feet
+
+
+def test_a_killed_configures_playbook_is_stopped_and_other_clusters_are_left_alone(home, tmp_path):
+    from fsdpctl.configure import orphaned_playbooks, stop_orphaned_playbooks
+
+    state = local_cluster(tmp_path, "cli-orphan")
+    other = local_cluster(tmp_path, "cli-other")
+    # Started as ansible-runner starts it: python, the ansible-playbook script, `-i INVENTORY`.
+    script = tmp_path / "bin" / "ansible-playbook"
+    script.parent.mkdir()
+    script.write_text("import time\ntime.sleep(120)\n")
+    orphan, unrelated = (subprocess.Popen([sys.executable, str(script), "-i", str(s.inventory_path),
+                                           "site.yml"]) for s in (state, other))
+    try:
+        time.sleep(0.5)
+        assert orphaned_playbooks(state) == [orphan.pid]
+        said = []
+        stop_orphaned_playbooks(state, said.append)
+        assert orphan.wait(timeout=15) != 0 and unrelated.poll() is None
+        assert said == ["stopping ansible-playbook left running by an interrupted configure "
+                        f"(pid {orphan.pid})"]
+        assert orphaned_playbooks(state) == []
+    finally:
+        for proc in (orphan, unrelated):
+            proc.kill()
+            proc.wait()

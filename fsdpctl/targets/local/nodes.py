@@ -19,7 +19,6 @@ directories they run from, not by pids that a killed run may never have written.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import ipaddress
 import os
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from fsdpctl.console import Out
 from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.processes import processes, signal_all
 from fsdpctl.remote import close_control_masters, run_all, ssh_options
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings
 from fsdpctl.targets.local import rootfs
@@ -287,24 +287,11 @@ def _processes_of(plan: LocalRecord) -> dict[int, str]:
     roots = [f" {n.root} " for n in plan.nodes]
     uuids = [f"\0container_uuid={n.container_uuid}\0".encode() for n in plan.nodes]
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:  # a process may exit while we look
-            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = b"\0" + Path(f"/proc/{entry}/environ").read_bytes()
-        except OSError:
-            continue
-        cmdline = raw.replace(b"\0", b" ").decode(errors="replace")
-        if any(r in f" {cmdline} " for r in roots) or any(u in environ for u in uuids):
-            found[int(entry)] = cmdline.strip()
+    for pid, argv, environ in processes(with_environ=True):
+        cmdline = " ".join(argv)
+        if any(r in f" {cmdline} " for r in roots) or any(u in b"\0" + environ for u in uuids):
+            found[pid] = cmdline
     return found
-
-
-def _signal_all(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
 
 
 def _nspawn_pids(plan: LocalRecord) -> list[int]:
@@ -316,7 +303,7 @@ def _stop_in_order(plan: LocalRecord, nspawn: list[int]) -> None:
     its signal handlers yet and drops the request, so repeat it until nspawn exits or time is up."""
     end = time.monotonic() + STOP_TIMEOUT_S
     while nspawn and time.monotonic() < end:
-        _signal_all(nspawn, signal.SIGTERM)
+        signal_all(nspawn, signal.SIGTERM)
         resend = time.monotonic() + 2
         while (nspawn := _nspawn_pids(plan)) and time.monotonic() < min(resend, end):
             time.sleep(0.1)
@@ -346,7 +333,7 @@ def _stop_nodes(plan: LocalRecord, progress: Out) -> list[str]:
     left = _processes_of(plan)
     if left:  # a killed nspawn leaves its container's init behind; a stuck shutdown, everything
         progress(f"local: killing {len(left)} leftover process(es)")
-        _signal_all(list(left), signal.SIGKILL)
+        signal_all(list(left), signal.SIGKILL)
         _wait_gone(plan, 10)
     for node in plan.nodes:
         if _link_exists(node.veth):
