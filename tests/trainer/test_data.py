@@ -66,9 +66,11 @@ def _token_dir(tmp_path, sizes=(1000, 537)) -> str:
 def test_token_source_windows_never_span_files(tmp_path):
     source = TokenFileSource(_token_dir(tmp_path), seq_len=16)
     assert source.num_samples == 999 // 16 + 536 // 16
-    first_of_second = source.samples(torch.tensor([999 // 16]))[0]
+    first_of_second = source.samples(torch.tensor([999 // 16]))
     second = TokenFile(tmp_path / "part1.bin").tokens
-    assert first_of_second.tolist() == second[:17].tolist()
+    assert first_of_second.inputs[0].tolist() == second[:16].tolist()
+    assert first_of_second.targets[0].tolist() == second[1:17].tolist()
+    assert first_of_second.positions is None and first_of_second.document_ids is None
     with pytest.raises(DataError, match=r"model\.vocab_size"):
         build_source(DataConfig(source="tokens", path=str(tmp_path), seq_len=16), vocab_size=256, seed=0)
 
@@ -82,8 +84,8 @@ def test_ranks_get_equal_disjoint_slices_of_the_global_batch(tmp_path, kind):
              for r in range(2)]
     # Enough micro-steps to wrap an epoch of the token files (90 samples / 8 per micro-step).
     for k in range(14):
-        whole, _ = single.batch(k)
-        parts = [loader.batch(k)[0] for loader in ranks]
+        whole = single.batch(k).inputs
+        parts = [loader.batch(k).inputs for loader in ranks]
         assert all(p.shape == (4, 16) for p in parts)
         assert torch.equal(torch.cat(parts), whole)
         assert not torch.equal(parts[0], parts[1])
@@ -92,10 +94,10 @@ def test_ranks_get_equal_disjoint_slices_of_the_global_batch(tmp_path, kind):
 def test_order_depends_on_seed_and_targets_are_shifted():
     a = BatchLoader(SyntheticSource(256, 16, 0), micro_batch_size=2, rank=0, world_size=1, seed=0, device=CPU)
     b = BatchLoader(SyntheticSource(256, 16, 1), micro_batch_size=2, rank=0, world_size=1, seed=1, device=CPU)
-    inputs, targets = a.batch(0)
-    assert torch.equal(inputs[:, 1:], targets[:, :-1])
-    assert torch.equal(a.batch(5)[0], a.batch(5)[0])
-    assert not torch.equal(a.batch(0)[0], b.batch(0)[0])
+    batch = a.batch(0)
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1])
+    assert torch.equal(a.batch(5).inputs, a.batch(5).inputs)
+    assert not torch.equal(a.batch(0).inputs, b.batch(0).inputs)
 
 
 def test_resume_continues_with_the_next_batches(tmp_path):
@@ -105,16 +107,17 @@ def test_resume_continues_with_the_next_batches(tmp_path):
         return BatchLoader(source, micro_batch_size=4, rank=1, world_size=2, seed=7, device=CPU, prefetch=3)
 
     straight = loader()
-    expected = [straight.next()[0] for _ in range(20)]
+    expected = [straight.next().inputs for _ in range(20)]
     straight.close()
     first = loader()
     for _ in range(7):
         first.next()
     state = first.state_dict()
     first.close()
+    assert state["micro_step"] == 7 and state["epoch"] == 1  # 90 samples: 11 micro-steps per epoch
     resumed = loader()
     resumed.load_state_dict(state)
-    got = [resumed.next()[0] for _ in range(13)]
+    got = [resumed.next().inputs for _ in range(13)]
     resumed.close()
     assert all(torch.equal(g, e) for g, e in zip(got, expected[7:], strict=True))
     other = BatchLoader(source, micro_batch_size=2, rank=0, world_size=2, seed=7, device=CPU)
@@ -124,8 +127,8 @@ def test_resume_continues_with_the_next_batches(tmp_path):
 
 def test_synthetic_data_is_learnable_and_too_little_data_is_refused(tmp_path):
     source = SyntheticSource(256, 64, seed=0)
-    tokens = source.samples(torch.arange(32))
-    follows_rule = ((tokens[:, 1:] - tokens[:, :-1]) % 256 == source.stride).float().mean()
+    batch = source.samples(torch.arange(32))
+    follows_rule = ((batch.targets - batch.inputs) % 256 == source.stride).float().mean()
     assert 0.8 < follows_rule < 0.95
     (tmp_path / "small").mkdir()
     small = TokenFileSource(_token_dir(tmp_path / "small", sizes=(40,)), seq_len=16)
