@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch; a plain `torch>=2.13` would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q 'torch==$(TORCH_VERSION)'
-	$(BIN)/pip install -q -e '.[aws,ansible,report,trainer,test]'
+	$(BIN)/pip install -q -e '.[aws,ansible,report,trainer,tracking,test]'
 	touch $@
 
 # Local nodes need systemd-nspawn, debootstrap and an SSH client on the host.

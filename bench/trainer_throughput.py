@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from trainer.config import derive_layout, load_config  # noqa: E402
 from trainer.data import BatchLoader, build_source  # noqa: E402
 from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdown  # noqa: E402
+from trainer.loss import loss_fn  # noqa: E402
 from trainer.metrics import device_peak_flops  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.parallelize import DTYPES  # noqa: E402
@@ -44,7 +45,6 @@ from trainer.train import (  # noqa: E402
     build_parallel_model,
     build_scheduler,
     global_grad_norm_and_clip,
-    loss_fn,
     train_step,
 )
 
@@ -76,10 +76,10 @@ def _plain_step(model, optimizer, scheduler, loader, cfg, device, sync_context) 
     accumulation = cfg.training.gradient_accumulation
     dtype = DTYPES[cfg.parallel.param_dtype]
     for micro in range(accumulation):
-        inputs, targets = loader.next()
+        batch = loader.next()
         sync = contextlib.nullcontext() if micro == accumulation - 1 else sync_context()
         with sync, torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            loss = loss_fn(model(inputs), targets)
+            loss = loss_fn(model(batch.inputs), batch.targets)
             (loss / accumulation).backward()
     global_grad_norm_and_clip(model, cfg.optim.grad_clip)
     optimizer.step()

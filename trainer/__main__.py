@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_config, shipped_config_names
@@ -24,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-train", allow_abbrev=False,
         description="Packaged FSDP2 trainer (decoder-only transformer). Start it with torchrun.",
-        epilog=f"shipped configs: {', '.join(shipped_config_names())}; keys and defaults: docs/trainer.md")
+        epilog=f"shipped configs: {', '.join(shipped_config_names())}; keys and defaults: docs/trainer.md. "
+               "Also: `fsdp-train eval ...` (a model's loss on documents), `fsdp-train export ...` (a "
+               "checkpoint as a Hugging Face directory); each with --help")
     parser.add_argument("--config", help="YAML file or shipped config name")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="override a config key, e.g. --set optim.lr=3e-4 (repeatable)")
@@ -67,7 +71,53 @@ FLAG_KEYS = {"steps": "training.steps", "seed": "training.seed", "checkpoint_dir
              "resume": "checkpoint.resume"}
 
 
+def build_eval_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-train eval", allow_abbrev=False,
+        description="Mean next-token NLL of a model over documents, each scored on its own (alone or under "
+                    "torchrun).")
+    parser.add_argument("--config", required=True, help="YAML file or shipped config name (e.g. finetune)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="e.g. --set model.hf_dir=DIR --set data.source=jsonl --set data.path=FILE")
+    parser.add_argument("--json", action="store_true",
+                        help='print one JSON object {"loss": ..., "tokens": ...}')
+    return parser
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fsdp-train export", allow_abbrev=False,
+        description="Write a verified checkpoint as a Hugging Face model directory (or a PEFT adapter for "
+                    "LoRA runs), alone or under torchrun.")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint directory (step_NNNNNNNN)")
+    parser.add_argument("--out", required=True, help="the directory to write (replaced when complete)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="override the checkpoint's trainer config, e.g. parallel.lora.export=merged")
+    return parser
+
+
+def _subcommand(name: str, argv: list[str]) -> int:
+    from trainer.commands import print_eval, run_eval, run_export
+
+    try:
+        if name == "eval":
+            args = build_eval_parser().parse_args(argv)
+            result = run_eval(load_config(args.config, args.overrides))
+            if int(os.environ.get("RANK", "0")) == 0:
+                print_eval(result, args.json)
+        else:
+            args = build_export_parser().parse_args(argv)
+            run_export(Path(args.checkpoint), Path(args.out), args.overrides)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("eval", "export"):
+        return _subcommand(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.estimate:

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from trainer.checkpoint import CheckpointConfig
 from trainer.errors import ConfigError, Problem, yaml_problem
+from trainer.hf.config import read_architecture
+from trainer.tracking import TrackingConfig
 
 SHIPPED_CONFIG_DIR = Path(__file__).parent / "configs"
 DOCS = "docs/trainer.md"
@@ -41,41 +43,87 @@ class Strategy(StrEnum):
 DType = Literal["fp32", "bf16", "fp16"]
 
 
-class ModelConfig(_Section):
-    """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU)."""
+class RopeScaling(_Section):
+    """Llama 3.1's frequency-dependent rotary scaling (`rope_type: llama3` in config.json): long
+    wavelengths are stretched by `factor`, short ones kept, the band between interpolated."""
 
+    type: Literal["llama3"] = "llama3"
+    """The scaling rule; only llama3 is implemented (YaRN and others are refused by name)."""
+    factor: float = Field(gt=0)
+    """How much the long wavelengths are stretched (8 for Llama 3.1)."""
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    """Wavelengths above original_max_seq_len / low_freq_factor are divided by `factor`."""
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    """Wavelengths below original_max_seq_len / high_freq_factor are kept."""
+    original_max_seq_len: int = Field(default=8192, ge=1)
+    """The context the model was pre-trained with before scaling."""
+
+
+class ModelConfig(_Section):
+    """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU): the project's own GPT shape or,
+    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3 and Mistral."""
+
+    hf_dir: str | None = None
+    """A Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or an s3:// prefix
+    holding one: sets the architecture from its config.json and loads its weights, sharded
+    (docs/trainer.md). The shape keys below are then taken from config.json."""
+    hf_config: str | None = None
+    """The architecture alone, from a config.json (a file path, or a bundled name such as
+    `llama3-8b`): presets and the estimator. model.hf_dir, when set, wins."""
+    cache_dir: str | None = None
+    """Where an s3:// model.hf_dir is downloaded, once per node (shared or NVMe storage); empty:
+    $FSDP_MODEL_CACHE, else ~/.cache/fsdp-cluster/models."""
+    family: str = "gpt"
+    """The config.json `model_type` (llama, mistral, qwen2, qwen3); gpt: the project's own model
+    (exported as llama, which it is shaped like)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Tokens in the vocabulary (embedding and output projection rows)."""
     dim: int = Field(default=2048, ge=8)
-    """Hidden size; divisible by n_heads with an even head size."""
+    """Hidden size."""
     n_layers: int = Field(default=16, ge=1)
     """Transformer blocks."""
     n_heads: int = Field(default=16, ge=1)
     """Query heads per attention layer."""
     n_kv_heads: int | None = Field(default=None, ge=1)
     """Grouped-query attention: fewer key/value heads than query heads; empty means n_heads."""
+    head_dim: int | None = Field(default=None, ge=2)
+    """Size of one attention head; empty means dim / n_heads (Qwen3 sets it explicitly)."""
     ffn_dim: int = Field(default=5632, ge=1)
     """Hidden size of the SwiGLU feed-forward layer."""
     max_seq_len: int = Field(default=2048, ge=2)
     """Longest sequence the rotary tables are built for."""
     rope_theta: float = Field(default=10000.0, gt=0)
     """Base of the rotary embedding frequencies."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1-style rotary scaling; empty: none."""
     norm_eps: float = Field(default=1e-5, gt=0)
     """RMSNorm epsilon."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2, Llama with attention_bias)."""
+    o_bias: bool = False
+    """A bias on the attention output projection (attention_bias of Llama and Qwen3)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before the rotation (Qwen3)."""
+    tie_embeddings: bool = False
+    """The output projection is the input embedding (Llama 3.2 1B/3B)."""
+    sliding_window: int | None = Field(default=None, ge=1)
+    """Mistral's attention window: sequences longer than it are refused (not implemented)."""
     init_std: float = Field(default=0.02, gt=0)
-    """Standard deviation of the normal weight initialisation."""
+    """Standard deviation of the normal weight initialisation (models trained from scratch)."""
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
         problems = []
-        if self.dim % self.n_heads:
+        if self.head_dim is None and self.dim % self.n_heads:
             problems.append(Problem("model.dim", self.dim,
                                     f"is not divisible by model.n_heads={self.n_heads}",
-                                    "choose dim = n_heads * head_dim (e.g. 128 per head)"))
-        elif (self.dim // self.n_heads) % 2:
-            problems.append(Problem("model.n_heads", self.n_heads,
-                                    f"gives an odd head size {self.dim // self.n_heads} (rotary embeddings "
-                                    "rotate pairs)", "choose n_heads so that dim / n_heads is even"))
+                                    "choose dim = n_heads * head_dim (e.g. 128 per head), or set "
+                                    "model.head_dim"))
+        elif self.head_size % 2:
+            problems.append(Problem("model.head_dim" if self.head_dim else "model.n_heads",
+                                    self.head_dim or self.n_heads,
+                                    f"gives an odd head size {self.head_size} (rotary embeddings "
+                                    "rotate pairs)", "choose an even head size"))
         kv = self.kv_heads
         if self.n_heads % kv:
             problems.append(Problem("model.n_kv_heads", kv, f"does not divide model.n_heads={self.n_heads}",
@@ -89,8 +137,9 @@ class ModelConfig(_Section):
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def head_size(self) -> int:
+        """head_dim, or dim / n_heads when it is not set."""
+        return self.head_dim or self.dim // self.n_heads
 
     @property
     def embedding_params(self) -> int:
@@ -99,17 +148,43 @@ class ModelConfig(_Section):
     @property
     def num_params(self) -> int:
         """Parameter count from the sizes alone (tests check it against the built model)."""
-        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.kv_heads)
+        q, kv = self.n_heads * self.head_size, self.kv_heads * self.head_size
+        attention = self.dim * (q + 2 * kv) + q * self.dim
+        attention += (q + 2 * kv) * self.qkv_bias + self.dim * self.o_bias + 2 * self.head_size * self.qk_norm
         feed_forward = 3 * self.dim * self.ffn_dim
         per_layer = attention + feed_forward + 2 * self.dim
-        # Input embedding, final norm, untied output projection.
-        return self.n_layers * per_layer + self.embedding_params + self.dim + self.dim * self.vocab_size
+        output = 0 if self.tie_embeddings else self.dim * self.vocab_size
+        return self.n_layers * per_layer + self.embedding_params + self.dim + output
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), PaLM appendix B: the matmul FLOPs of the
-        non-embedding parameters plus the attention score/value products."""
-        attention = 6 * self.n_layers * self.n_heads * (2 * self.head_dim) * seq_len
-        return 6 * (self.num_params - self.embedding_params) + attention
+        non-embedding parameters (the output projection counts, tied or not) plus the attention
+        score/value products."""
+        attention = 6 * self.n_layers * self.n_heads * (2 * self.head_size) * seq_len
+        output = self.embedding_params if self.tie_embeddings else 0
+        return 6 * (self.num_params - self.embedding_params + output) + attention
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA): the base weights are frozen (and kept in the compute dtype), only the
+    adapters train, sharded with FSDP2 like everything else."""
+
+    rank: int = Field(default=0, ge=0)
+    """Rank r of each adapter; 0 turns LoRA off (full fine-tuning)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scale: the adapter's output is multiplied by alpha / rank."""
+    target_modules: list[Literal[LORA_MODULES]] = list(LORA_MODULES)
+    """The linear layers that get adapters, by their Hugging Face (PEFT) names."""
+    export: Literal["adapter", "merged"] = "adapter"
+    """What checkpoint.hf_export_dir receives: a PEFT adapter directory (adapter_config.json,
+    adapter_model.safetensors) or the base model with the adapters merged into its weights."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 class ParallelConfig(_Section):
@@ -129,6 +204,8 @@ class ParallelConfig(_Section):
     """Recompute each block's activations in the backward pass instead of keeping them."""
     compile: bool = False
     """torch.compile each transformer block."""
+    lora: LoraConfig = LoraConfig()
+    """Low-rank adapters for fine-tuning (rank 0: off)."""
 
     @model_validator(mode="after")
     def _precision(self) -> ParallelConfig:
@@ -175,11 +252,18 @@ class TrainingConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["synthetic", "tokens"] = "synthetic"
+    source: Literal["synthetic", "tokens", "jsonl", "parquet"] = "synthetic"
     """synthetic: a deterministic, learnable token stream; tokens: memory-mapped token files made by
-    `python -m trainer.data build`."""
+    `python -m trainer.data build` or `tokenize`; jsonl / parquet: text or chat records, tokenized at
+    start-up with the model's own tokenizer (model.hf_dir) and packed with document masking."""
     path: str | None = None
-    """A token file or a directory of `*.bin` token files (data.source tokens)."""
+    """tokens: a token file or a directory of `*.bin` files; jsonl / parquet: a file or a directory of
+    `*.jsonl` / `*.parquet` files (read in sorted order)."""
+    text_field: str = Field(default="text", min_length=1)
+    """jsonl / parquet: the field holding a document's text; the loss counts every token."""
+    messages_field: str | None = Field(default=None, min_length=1)
+    """jsonl / parquet: the field holding a chat (a list of {role, content} messages), rendered with the
+    model's chat template; the loss counts only the assistant replies. Set, it replaces text_field."""
     seq_len: int = Field(default=2048, ge=2)
     """Tokens per sequence."""
     prefetch: int = Field(default=2, ge=1)
@@ -225,6 +309,21 @@ class DistributedConfig(_Section):
     """Collective time-out: a hung rank fails the job after this instead of hanging it."""
 
 
+class EvalConfig(_Section):
+    """A validation loss during training, computed as `python -m trainer eval` computes it: the mean
+    next-token NLL over every counted position, each document on its own (torchtitan's validator)."""
+
+    interval: int = Field(default=0, ge=0)
+    """Evaluate every N optimizer steps (and after the last); 0: never."""
+    path: str | None = None
+    """A jsonl or parquet file or directory of held-out documents, read with the data.* fields
+    (text_field / messages_field) and the model's tokenizer."""
+    source: Literal["jsonl", "parquet"] = "jsonl"
+    """The format of eval.path."""
+    batch_size: int = Field(default=4, ge=1)
+    """Packed rows per rank per forward pass."""
+
+
 class TrainConfig(_Section):
     model: ModelConfig = ModelConfig()
     """The model's shape."""
@@ -241,7 +340,11 @@ class TrainConfig(_Section):
     distributed: DistributedConfig = DistributedConfig()
     """Device and collective settings."""
     checkpoint: CheckpointConfig = CheckpointConfig()
-    """Sharded, verified checkpoints (docs/checkpoints.md)."""
+    """Sharded, verified checkpoints (docs/checkpoints.md) and the Hugging Face export."""
+    eval: EvalConfig = EvalConfig()
+    """Validation loss during training."""
+    tracking: TrackingConfig = TrackingConfig()
+    """TensorBoard always; Weights & Biases or MLflow when configured."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> TrainConfig:
@@ -250,10 +353,25 @@ class TrainConfig(_Section):
             problems.append(Problem("data.seq_len", self.data.seq_len,
                                     f"is longer than model.max_seq_len={self.model.max_seq_len}",
                                     "shorten data.seq_len or raise model.max_seq_len"))
+        if self.model.sliding_window and self.data.seq_len > self.model.sliding_window:
+            problems.append(Problem("data.seq_len", self.data.seq_len,
+                                    f"is longer than the model's sliding window {self.model.sliding_window} "
+                                    "(model.sliding_window, not implemented)",
+                                    f"use data.seq_len <= {self.model.sliding_window}"))
+        if self.eval.interval and not self.eval.path:
+            problems.append(Problem("eval.path", None, f"is required when eval.interval={self.eval.interval}",
+                                    "point it at held-out jsonl/parquet documents, or set eval.interval=0"))
         if self.data.source == "tokens" and not self.data.path:
             problems.append(Problem("data.path", None, "is required when data.source is tokens",
                                     "point it at a .bin file or a directory of them "
                                     "(make them with `python -m trainer.data build`)"))
+        if self.data.source in ("jsonl", "parquet") and not self.data.path:
+            problems.append(Problem("data.path", None, f"is required when data.source is {self.data.source}",
+                                    f"point it at a .{self.data.source} file or a directory of them"))
+        if self.data.messages_field and self.data.source in ("synthetic", "tokens"):
+            problems.append(Problem("data.messages_field", self.data.messages_field,
+                                    f"only applies to records (data.source is {self.data.source})",
+                                    "use data.source jsonl or parquet, or remove it"))
         if self.training.global_batch_size % self.training.gradient_accumulation:
             problems.append(Problem("training.global_batch_size", self.training.global_batch_size,
                                     "is not divisible by training.gradient_accumulation="
@@ -339,7 +457,7 @@ def shipped_config_names() -> list[str]:
     return sorted(p.stem for p in SHIPPED_CONFIG_DIR.glob("*.yaml"))
 
 
-def _assign(data: dict, key: str, value: Any) -> None:
+def assign(data: dict, key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     node = data
     for part in parents:
@@ -351,7 +469,7 @@ def _assign(data: dict, key: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _parse_assignment(assignment: str) -> tuple[str, Any]:
+def parse_assignment(assignment: str) -> tuple[str, Any]:
     key, sep, raw = assignment.partition("=")
     if not sep or not key.strip():
         raise ConfigError([Problem("--set", assignment, "is not key=value",
@@ -390,12 +508,47 @@ def _problems_from_validation(err: ValidationError) -> list[Problem]:
     return problems
 
 
+# Keys a user may still set beside model.hf_dir / model.hf_config: how the model is used, not its shape.
+_MODEL_USAGE_KEYS = {"hf_dir", "hf_config", "cache_dir", "max_seq_len", "init_std"}
+
+
+def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
+    """The model section with its shape taken from config.json (model.hf_dir, else model.hf_config).
+    An s3:// model.hf_dir is downloaded first (once per node, see trainer/hf/fetch.py) and replaced
+    by the local copy, so every later stage reads files."""
+    location, key = (model.get("hf_dir"), "model.hf_dir") if model.get("hf_dir") else (
+        model.get("hf_config"), "model.hf_config")
+    if not location:
+        return model
+    if not isinstance(location, str):
+        raise ConfigError([Problem(key, location, "is not a path", "give a directory, a file or a name")])
+    if key == "model.hf_dir" and location.startswith("s3://"):
+        from trainer.hf.fetch import ModelFetchError, resolve_model_dir
+
+        try:
+            location = str(resolve_model_dir(location, model.get("cache_dir")))
+        except ModelFetchError as e:
+            raise ConfigError([Problem(key, model["hf_dir"], str(e), "see the message")]) from None
+        model = {**model, "hf_dir": location}
+    architecture = read_architecture(location, key)
+    clashes = [Problem(f"model.{name}", model[name], f"is set by {architecture.source} ({key})",
+                       f"remove it (config.json says {architecture.model_fields.get(name)!r}), or start "
+                       "from a config without a model shape (--config finetune)")
+               for name in model if name not in _MODEL_USAGE_KEYS
+               and model[name] != architecture.model_fields.get(name)]
+    if clashes:
+        raise ConfigError(clashes)
+    return {**architecture.model_fields, **model}
+
+
 def parse_config(data: dict[str, Any], source: str = "trainer config") -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError([Problem("(config)", data, "must be a mapping of sections",
                                    "write YAML sections: model, parallel, optim, training, data, ...")],
                           source)
     try:
+        if isinstance(data.get("model"), dict):
+            data = {**data, "model": _with_hf_architecture(data["model"])}
         return TrainConfig.model_validate(data)
     except ConfigError as e:
         raise ConfigError(e.problems, source) from None
@@ -413,8 +566,8 @@ def load_config(name_or_path: str, overrides: list[str] = (), values: dict[str, 
     except yaml.YAMLError as e:
         raise ConfigError([yaml_problem(str(path), e)], str(path)) from None
     for assignment in overrides:
-        _assign(data, *_parse_assignment(assignment))
+        assign(data, *parse_assignment(assignment))
     for key, value in (values or {}).items():
-        _assign(data, key, value)
+        assign(data, key, value)
     source = f"{path} with the command-line overrides" if overrides or values else str(path)
     return parse_config(data, source)

@@ -28,9 +28,13 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
 from trainer.config import Strategy, TrainConfig, derive_layout
 from trainer.errors import ConfigError, Problem
+from trainer.lora import apply_lora
 from trainer.model import build_model
+from trainer.parallelize import DTYPES
 
 GIB = 2**30
 # Memory of one GPU as CUDA reports it, by the names --gpu accepts.
@@ -86,7 +90,7 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     checkpointing; with it, the larger of that moment (block inputs + loss) and recomputing one block."""
     m, e = cfg.model, DTYPE_BYTES[cfg.parallel.param_dtype]
     tokens = micro_batch_size * cfg.data.seq_len
-    h, kv, f = m.dim, m.kv_heads * m.head_dim, m.ffn_dim
+    h, kv, f = m.dim, m.kv_heads * m.head_size, m.ffn_dim
     # Saved for backward, per token (RMSNorm and rotary embeddings compute in fp32):
     rmsnorm = 4 * h + 2 * e * h  # fp32 input, normalised copy, output
     attention = (rmsnorm + 4 * (h + kv) + e * (h + kv)  # q, k before (fp32) and after rotation
@@ -112,17 +116,33 @@ def _memory(cfg: TrainConfig, world_size: int, ranks_per_node: int, flash_attent
     group = _shard_group(cfg, world_size, ranks_per_node)
     model = build_model(cfg.model)
     e, r = DTYPE_BYTES[cfg.parallel.param_dtype], DTYPE_BYTES[cfg.parallel.reduce_dtype]
-    local = sum(_local_elements(tuple(p.shape), group) for p in model.parameters())
-    full = sum(p.numel() for p in model.parameters())
-    units = [sum(p.numel() for p in block.parameters()) for block in model.layers]
+    if cfg.parallel.lora.enabled:
+        apply_lora(model, cfg.parallel.lora, DTYPES[cfg.parallel.param_dtype])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    local = sum(_local_elements(tuple(p.shape), group) for p in trainable)
+    frozen_local = sum(_local_elements(tuple(p.shape), group) for p in frozen)
+    full = sum(p.numel() for p in trainable)
+    every = sum(p.numel() for p in model.parameters())
+
+    def unit_elements(module: torch.nn.Module, only_trainable: bool = False) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad or not only_trainable)
+
+    units = [unit_elements(block) for block in model.layers]
     embedding = model.tok_embeddings.weight.numel()
     head = model.norm.weight.numel() + model.output.weight.numel()
+    # The unsharded gradient and reduce-scatter buffer of the unit in backward: trainable parameters
+    # only (LoRA: the adapters).
+    ends = (model.tok_embeddings.weight, model.output.weight)
+    grad_unit = max([*(unit_elements(b, True) for b in model.layers),
+                     *(p.numel() for p in ends if p.requires_grad)])
     if cfg.parallel.strategy in (Strategy.FULL_SHARD, Strategy.HYBRID_SHARD):
         largest = max([*units, embedding])
-        gathered = e * (2 * largest + head) + (e + r) * max(largest, head)
+        gathered = e * (2 * largest + head) + (e + r) * grad_unit
     else:
-        gathered = e * full + (e + r) * max([*units, embedding, head])
-    params, grads = 4 * local, 4 * (full if group == 1 else local)
+        gathered = e * every + (e + r) * grad_unit
+    # Frozen (LoRA base) weights are kept in the compute dtype and have no gradient or AdamW state.
+    params, grads = 4 * local + e * frozen_local, 4 * (full if group == 1 else local)
     optimizer = 8 * local
     if cfg.parallel.cpu_offload:
         params = grads = optimizer = 0
@@ -167,7 +187,7 @@ def report(cfg_name: str, result: Estimate) -> list[str]:
 
     lines = [f"{cfg_name} on {result.world_size} ranks (shard group {result.shard_group}, micro-batch "
              f"{result.micro_batch_size}), per rank:",
-             f"  parameters (fp32 shard)    {gib(result.params)}",
+             f"  parameters (shard)         {gib(result.params)}",
              f"  gradients                  {gib(result.grads)}",
              f"  optimizer state (AdamW)    {gib(result.optimizer)}",
              f"  gathered parameters        {gib(result.gathered)}",

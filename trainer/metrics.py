@@ -5,7 +5,8 @@ Nothing here synchronises the device per step: losses and gradient norms stay de
 the log interval, where one all-gather brings every rank's values and peak memory to rank 0.
 grad_sync_s / grad_sync_share come from the collectives themselves on sampled steps
 (trainer/commtime.py: the gradient reduce-scatter/all-reduce time that no compute overlapped) and
-are null on the other steps.
+are null on the other steps. comm_bytes is what each rank handed to FSDP2's all-gathers, reduce-scatters
+and all-reduces in the step (trainer/commbytes.py, counted on every step), null where not counted.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class _Pending:
     skipped: bool
     comm: CommTime | None
     step_time_s: float | None  # device-synchronised, profiled steps only
+    comm_bytes: dict[str, int] | None
 
 
 class MetricsLogger:
@@ -126,6 +128,7 @@ class MetricsLogger:
                      "ranks_per_node": runtime.local_world_size, "device": runtime.device.type, **run_info}
         self.hosts = hosts  # per rank; in the summary only, to keep step lines short at scale
         self.records: list[dict] = []
+        self.evals: list[dict] = []
         self.pending: list[_Pending] = []
         self.started = time.perf_counter()
         self.last_flush = self.started
@@ -157,11 +160,13 @@ class MetricsLogger:
 
     def log_step(self, *, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
                  skipped: bool = False, comm: CommTime | None = None, step_time_s: float | None = None,
-                 overhead_s: float = 0.0, flush: bool = False) -> list[dict]:
+                 overhead_s: float = 0.0, flush: bool = False,
+                 comm_bytes: dict[str, int] | None = None) -> list[dict]:
         """`overhead_s`: wall time that was not training (the profiler's own work on a sampled step),
-        left out of the throughput. Returns the records written (empty between log intervals)."""
+        left out of the throughput. `comm_bytes`: the step's CommBytes.take(). Returns the records
+        written (empty between log intervals)."""
         self.overhead_s += overhead_s
-        self.pending.append(_Pending(step, loss, grad_norm, lr, skipped, comm, step_time_s))
+        self.pending.append(_Pending(step, loss, grad_norm, lr, skipped, comm, step_time_s, comm_bytes))
         if (flush or not self.records or step % self.cfg.log_interval == 0 or step == self.total_steps):
             return self.flush()
         return []
@@ -203,6 +208,7 @@ class MetricsLogger:
                 "comm_exposed_s": None if comm is None else comm.exposed_s,
                 "comm_exposed_share": None if comm is None else comm.exposed_s / own_time,
                 "profiled_step_time_s": p.step_time_s if comm is not None else None,
+                "comm_bytes": p.comm_bytes,
                 "mfu": mfu, "max_mem_bytes": max(mems), "mem_bytes_per_rank": mems,
                 "mem_max_min_ratio": max(mems) / max(1, min(mems)),
                 "skipped": p.skipped, **self.info,
@@ -224,6 +230,16 @@ class MetricsLogger:
                      + (" (skipped: inf/nan)" if any(p.skipped for p in pending) else ""))
         return out
 
+    def log_eval(self, step: int, result: dict) -> dict:
+        """A validation result ({"loss", "tokens"}) as a record of its own, `{"event": "eval", "step",
+        "eval_loss", "eval_tokens"}`, in the JSONL and the progress log; returns it."""
+        record = {"event": "eval", "step": step, "eval_loss": result["loss"], "eval_tokens": result["tokens"]}
+        self._write(record)
+        self.evals.append(record)
+        if self.runtime.is_main:
+            self.log(f"eval: step {step} loss {result['loss']:.4f} over {result['tokens']:,} tokens")
+        return record
+
     def close(self, *, stopped: str = "completed", signal_name: str | None = None) -> dict:
         """Flush, then write and return the summary. Throughput is the measured window's total tokens
         over its wall time (the steps after the first); with a single step, that step's."""
@@ -233,6 +249,11 @@ class MetricsLogger:
         def mean(key: str, rows: list[dict]) -> float | None:
             values = [r[key] for r in rows if r[key] is not None]
             return sum(values) / len(values) if values else None
+
+        counted = [r["comm_bytes"] for r in self.records if r["comm_bytes"] is not None]
+        comm_bytes = None
+        if counted:
+            comm_bytes = {kind: round(sum(c[kind] for c in counted) / len(counted)) for kind in counted[0]}
 
         if self.window_steps and self.window_wall > 0:
             step_time_s = self.window_wall / self.window_steps
@@ -249,6 +270,7 @@ class MetricsLogger:
             "first_loss": self.records[0]["loss"] if self.records else None,
             "final_loss": self.records[-1]["loss"] if self.records else None,
             "min_loss": min((r["loss"] for r in self.records), default=None),
+            "eval_loss": self.evals[-1]["eval_loss"] if self.evals else None,
             "tokens_per_s": tokens_per_s,
             "samples_per_s": self.samples_per_step / step_time_s if step_time_s else None,
             "step_time_s": step_time_s, "measured_steps": self.window_steps,
@@ -256,6 +278,7 @@ class MetricsLogger:
             "grad_sync_s": mean("grad_sync_s", profiled),
             "grad_sync_share": mean("grad_sync_share", profiled),
             "comm_exposed_share": mean("comm_exposed_share", profiled), "profiled_steps": len(profiled),
+            "comm_bytes_per_step": comm_bytes,
             "mfu": mfu,
             "max_mem_bytes": max((r["max_mem_bytes"] for r in self.records), default=None),
             "mem_max_min_ratio": max((r["mem_max_min_ratio"] for r in self.records), default=None),

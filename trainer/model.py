@@ -1,8 +1,18 @@
-"""A decoder-only transformer: RMSNorm, rotary position embeddings, SwiGLU feed-forward.
+"""A decoder-only transformer: RMSNorm, rotary position embeddings, SwiGLU feed-forward, in one
+configurable block that covers the project's own GPT and the Hugging Face Llama, Qwen2, Qwen3 and
+Mistral families (optional q/k/v and output biases, q/k RMSNorm, explicit head size, tied embeddings,
+Llama 3.1 rope scaling). Parameter names are the project's; trainer/hf/adapter.py maps them to and
+from the Hugging Face names.
+
+Rotary embeddings rotate the two halves of each head (x[:d/2], x[d/2:]), the layout Hugging Face
+checkpoints are stored in: loading is then a pure renaming, read slice by slice, where the
+interleaved-pairs layout would need a permutation of every query and key row (and of Qwen3's q/k norm
+gains) that crosses the row shards a rank reads.
 
 Built on the meta device (no memory), sharded, then materialised shard by shard: `init_weights`
 fills each rank's local rows from random streams keyed by (seed, parameter name, row chunk), so the
-initial model is the same whatever the world size or strategy and no rank ever holds a whole matrix.
+initial model is the same whatever the world size or strategy and no rank ever holds a whole matrix;
+or trainer/hf/weights.py loads each rank's rows from safetensors files.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RopeScaling
 from trainer.seeding import stream_seed
 
 # Rows per independent random stream: small enough that a rank wastes little generating the rows of
@@ -37,37 +47,75 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's rule: wavelengths longer than original / low_freq_factor are divided by factor,
+    shorter than original / high_freq_factor kept, the band between interpolated smoothly."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = scaling.original_max_seq_len / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_seq_len / scaling.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_seq_len / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_tables(cfg: ModelConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    half = cfg.head_dim // 2
+    """cos and sin of every position's angles, [max_seq_len, head_size / 2], in fp32."""
+    half = cfg.head_size // 2
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half)
+    if cfg.rope_scaling is not None:
+        inv_freq = scaled_inv_freq(inv_freq, cfg.rope_scaling)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (even, odd) feature pairs of x [batch, seq, heads, head_dim] by position angles."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    x1, x2 = xf[..., 0], xf[..., 1]
-    cos, sin = cos[: x.shape[1], None, :], sin[: x.shape[1], None, :]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(x)
+    """Rotate x [batch, seq, heads, head_size] by the angles cos/sin [batch or 1, seq, head_size / 2]:
+    feature i pairs with feature i + head_size / 2 (the Hugging Face layout)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each packed document: [batch, 1, seq, seq], True = may attend."""
+    seq = document_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_size
+        q, kv = cfg.n_heads * cfg.head_size, cfg.kv_heads * cfg.head_size
+        self.wq = nn.Linear(cfg.dim, q, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, kv, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q, cfg.dim, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
-        q = apply_rotary(self.wq(x).view(b, t, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.wk(x).view(b, t, self.n_kv_heads, self.head_dim), cos, sin)
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        # Packed documents pass an explicit mask (causal within each document); otherwise the causal
+        # flag lets SDPA pick its fastest kernel.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+                                             attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -92,14 +140,16 @@ class Block(nn.Module):
         # Set by parallelize: recompute this block's activations in backward instead of storing them.
         self.activation_checkpointing = False
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation_checkpointing and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+        return self._forward(x, cos, sin, mask)
 
 
 class Transformer(nn.Module):
@@ -110,32 +160,51 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         cos, sin = rotary_tables(cfg, "meta")
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for tokens [batch, seq]. Packed documents give each token's position within its
+        document (the rotation restarts at each document) and its document id (attention stays
+        within a document); without them, one causal sequence from position 0."""
+        if positions is None:
+            cos, sin = self.rope_cos[None, : tokens.shape[1]], self.rope_sin[None, : tokens.shape[1]]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = None if document_ids is None else attention_mask(document_ids)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | str) -> None:
         """Fill every (possibly sharded) parameter in place and recompute the rotary tables."""
-        self.rope_cos, self.rope_sin = rotary_tables(self.cfg, buffer_device)
+        self.init_buffers(buffer_device)
         # GPT-2 style: residual-branch output projections shrink with depth so the residual stream's
         # variance does not grow with the number of layers.
         out_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, param in self.named_parameters():
+            if name.endswith((".lora_a", ".lora_b")):
+                continue  # LoRA's own initialisation (trainer/lora.py)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
             else:
                 std = out_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
-                _fill_normal(param, std, seed, name)
+                fill_normal(param, std, seed, name)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """The rotary tables (not part of any checkpoint), on the compute device."""
+        self.rope_cos, self.rope_sin = rotary_tables(self.cfg, device)
 
 
-def _fill_normal(param: torch.Tensor, std: float, seed: int, name: str) -> None:
+def fill_normal(param: torch.Tensor, std: float, seed: int, name: str) -> None:
     """Fill this rank's rows of a parameter from per-chunk random streams of the full tensor."""
     if isinstance(param, DTensor):
         local = param.to_local()

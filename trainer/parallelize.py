@@ -52,13 +52,18 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, devic
     # norm with the output projection. That last unit runs first in backward, so keeping it gathered
     # from forward to backward costs no memory peak and saves an all-gather; the root then owns no
     # parameters of its own.
-    fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
+    # Tied embeddings (one parameter used first and last) must live in one unit: the embedding joins
+    # the final norm and output projection, gathered from the start of forward to the end of backward.
+    tied = model.cfg.tie_embeddings
+    if not tied:
+        fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
     for block in model.layers:
         block.activation_checkpointing = cfg.activation_checkpointing
         if cfg.compile:
             block.compile()
         fully_shard(block, reshard_after_forward=reshard, **common)
-    fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
+    head = [model.tok_embeddings, model.norm, model.output] if tied else [model.norm, model.output]
+    fully_shard(head, reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=False, **common)
 
 

@@ -13,25 +13,36 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from trainer.batch import IGNORE
 from trainer.checkpoint import CheckpointError, CheckpointManager
+from trainer.commbytes import CommBytes
 from trainer.commtime import StepProfiler
 from trainer.config import Layout, OptimConfig, Strategy, TrainConfig, derive_layout
-from trainer.data import BatchLoader, build_source
+from trainer.data import BatchLoader, SampleSource, build_source
 from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdown
+from trainer.documents import PackedSource
+from trainer.errors import ConfigError, Problem
+from trainer.evaluate import Validator, evaluation_source
+from trainer.hf.weights import check_weights, export_trained, load_weights
+from trainer.lora import apply_lora, init_lora
+from trainer.loss import token_nll_sum
 from trainer.metrics import MetricsLogger, stderr_log
 from trainer.model import Transformer, build_model
-from trainer.parallelize import build_mesh, parallelize, set_gradient_sync, sharding_report
+from trainer.parallelize import DTYPES, build_mesh, parallelize, set_gradient_sync, sharding_report
 from trainer.preemption import StopSignal
 from trainer.prometheus import RankMetrics
+from trainer.tokenizer import Tokenizer
+from trainer.tracking import Tracker
 
 
 def lr_multiplier(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -85,61 +96,6 @@ def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfi
         group["lr"] = group["initial_lr"] * multiplier(scheduler.last_epoch)
 
 
-# Rows (tokens) of logits whose fp32 copy exists at any one time.
-LOSS_CHUNK_TOKENS = 8192
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of reduced-precision logits [N, vocab] in fp32, one chunk of rows at a time.
-    Forward also writes softmax - one-hot chunk by chunk into a tensor of the logits' dtype; backward
-    scales it by grad_output / N, again one chunk at a time in fp32, so neither pass ever holds more
-    than one chunk in fp32 (Liger-Kernel's approach).
-
-    The 1/N and the loss scale are applied together in fp32, never stored apart in fp16: (p - y) / N
-    alone underflows fp16 for any p under ~1e-3 at N = 16k tokens, and GradScaler's first scale,
-    65536, is itself past fp16's largest value (65504)."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=logits.device)
-        grad = torch.empty_like(logits) if logits.requires_grad else None
-        for start in range(0, logits.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            chunk, chunk_targets = logits[rows].float(), targets[rows]
-            log_probs = torch.log_softmax(chunk, dim=-1)
-            total += -log_probs.gather(1, chunk_targets[:, None]).sum()
-            if grad is not None:
-                probs = log_probs.exp_()
-                probs[torch.arange(probs.shape[0], device=probs.device), chunk_targets] -= 1.0
-                grad[rows] = probs
-        ctx.save_for_backward(grad)
-        ctx.count, ctx.chunk_tokens = targets.numel(), chunk_tokens
-        return total / targets.numel()
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        factor = grad_output.float() / ctx.count
-        # In place: a second full-size copy is what this function exists to avoid (so the graph
-        # cannot be backpropagated twice, which training never does).
-        for start in range(0, grad.shape[0], ctx.chunk_tokens):
-            rows = slice(start, start + ctx.chunk_tokens)
-            grad[rows] = grad[rows].float().mul_(factor)
-        return grad, None, None
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS
-            ) -> torch.Tensor:
-    """Mean token cross-entropy. fp32 logits go straight to F.cross_entropy. Reduced-precision logits
-    are never upcast whole (an fp32 copy of batch x seq x vocab is the largest tensor of a step): the
-    loss and its gradient are computed over chunks of `chunk_tokens` rows in fp32, the sum
-    accumulates in fp32."""
-    flat, flat_targets = logits.flatten(0, 1), targets.flatten()
-    if flat.dtype == torch.float32:
-        return F.cross_entropy(flat, flat_targets)
-    return _ChunkedCrossEntropy.apply(flat, flat_targets, chunk_tokens)
-
-
 def global_grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf, foreach=True)
     # Sharded gradients give a DTensor norm: full_tensor() completes the reduction across ranks.
@@ -148,7 +104,7 @@ def global_grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) ->
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # this rank's mean micro-batch loss (on the device)
+    loss: torch.Tensor  # this rank's share: the mean over ranks is the step's loss (on the device)
     grad_norm: torch.Tensor  # global, before clipping (on the device)
     lr: float
     skipped: bool
@@ -161,12 +117,18 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
     scaler's own check of whether it skipped the step). `before_update` runs before the parameters
     change (an async checkpoint's staging copy must be complete by then)."""
     loss_sum = torch.zeros((), device=device)
-    for micro in range(accumulation):
+    batches = [loader.next() for _ in range(accumulation)]
+    # The step's loss is the mean over every counted target of every rank and micro-batch (packed chat
+    # data counts different numbers per row). One small all-reduce gives the total before backward;
+    # FSDP averages gradients over the ranks, hence the world size in the scale.
+    counted = torch.stack([(batch.targets != IGNORE).sum() for batch in batches]).sum().float()
+    dist.all_reduce(counted)
+    scale = dist.get_world_size() / counted.clamp(min=1)
+    for micro, batch in enumerate(batches):
         set_gradient_sync(model, strategy, micro == accumulation - 1)
-        inputs, targets = loader.next()
-        loss = loss_fn(model(inputs), targets)
-        scaled = loss / accumulation
-        (scaler.scale(scaled) if scaler else scaled).backward()
+        logits = model(batch.inputs, batch.positions, batch.document_ids)
+        loss = token_nll_sum(logits, batch.targets) * scale
+        (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
     if scaler:
         # Found-inf flags of sharded gradients are reduced across ranks by DTensor, so every rank
@@ -186,24 +148,38 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
         skipped = False
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum / accumulation, grad_norm.detach(), lr, skipped)
+    return StepResult(loss_sum, grad_norm.detach(), lr, skipped)
 
 
-def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout) -> Transformer:
-    """Meta-device model -> fully_shard -> allocate only this rank's shards -> initialise them."""
+def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout,
+                         log: Callable[[str], None] = lambda _message: None) -> Transformer:
+    """Meta-device model -> LoRA adapters (if any) -> fully_shard -> allocate only this rank's shards
+    -> fill them: from model.hf_dir's safetensors (each rank reads its own rows) or a seeded random
+    initialisation; adapters always start as LoRA prescribes."""
     model = build_model(cfg.model)
+    lora = cfg.parallel.lora
+    if lora.enabled:
+        apply_lora(model, lora, DTYPES[cfg.parallel.param_dtype])
     mesh = build_mesh(layout, cfg.parallel.strategy, runtime.device.type)
     parallelize(model, mesh, cfg.parallel, runtime.device.type)
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else runtime.device)
-    model.init_weights(cfg.training.seed, buffer_device=runtime.device)
+    if cfg.model.hf_dir:
+        model.init_buffers(runtime.device)
+        load_weights(model, Path(cfg.model.hf_dir), log)
+    else:
+        model.init_weights(cfg.training.seed, buffer_device=runtime.device)
+    if lora.enabled:
+        init_lora(model, cfg.training.seed)
     return model
 
 
-def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: bool = False,
+def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_sharding: bool = False,
         log: Callable[[str], None] = stderr_log) -> dict:
+    layout, source, eval_source = prepared.layout, prepared.source, prepared.eval_source
     main_log = log if runtime.is_main else (lambda _message: None)
     torch.manual_seed(cfg.training.seed)
-    model = build_parallel_model(cfg, runtime, layout)
+    model = build_parallel_model(cfg, runtime, layout, main_log)
+    comm_counter = CommBytes.install(model)  # bytes of FSDP2's collectives per step (trainer/commbytes.py)
     main_log(f"model: {cfg.model.num_params:,} parameters, {cfg.parallel.strategy} on "
              f"{runtime.world_size} ranks ({runtime.num_nodes} node(s)), mesh replicate={layout.replicate} "
              f"x shard={layout.shard}, micro-batch {layout.micro_batch_size} x accumulation "
@@ -214,15 +190,14 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.training.steps)
     scaler = torch.amp.GradScaler(runtime.device.type) if cfg.parallel.param_dtype == "fp16" else None
-    loader = BatchLoader(build_source(cfg.data, cfg.model.vocab_size, cfg.training.seed),
-                         micro_batch_size=layout.micro_batch_size, rank=runtime.rank,
+    loader = BatchLoader(source, micro_batch_size=layout.micro_batch_size, rank=runtime.rank,
                          world_size=runtime.world_size, seed=cfg.training.seed, device=runtime.device,
-                         prefetch=cfg.data.prefetch)
+                         prefetch=cfg.data.prefetch, log=main_log)
     extra = {"lr_scheduler": scheduler, "data": loader}
     if scaler:
         extra["grad_scaler"] = scaler
     checkpoints = CheckpointManager(cfg.checkpoint, rank=runtime.rank, world_size=runtime.world_size,
-                                    log=main_log)
+                                    log=main_log, run_config=cfg.model_dump(mode="json"))
     start = checkpoints.maybe_resume(model, optimizer, extra)
     if start:
         follow_schedule(optimizer, scheduler, cfg.optim, main_log)
@@ -236,6 +211,9 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
         run_info={"strategy": str(cfg.parallel.strategy), "params": cfg.model.num_params}, hosts=hosts,
         log=main_log)
     rank_metrics = RankMetrics.create(cfg.metrics, runtime)  # Prometheus textfile (docs/monitoring.md)
+    tracker = Tracker.create(cfg.tracking, metrics_file=cfg.metrics.file,
+                             run_config=cfg.model_dump(mode="json"), is_main=runtime.is_main)
+    validator = Validator(eval_source, cfg.eval.batch_size, runtime.device) if eval_source else None
     stop = StopSignal()
     stopped_by = None
     step_kwargs = {"strategy": cfg.parallel.strategy, "accumulation": cfg.training.gradient_accumulation,
@@ -256,9 +234,14 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
             saving = checkpoints.should_save(step, final=final)
             records = metrics.log_step(step=step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                                        skipped=result.skipped, comm=comm, step_time_s=profiled_time,
-                                       overhead_s=overhead, flush=saving or stopped_by is not None)
+                                       overhead_s=overhead, flush=saving or stopped_by is not None,
+                                       comm_bytes=comm_counter.take())
             if rank_metrics:
                 rank_metrics.after_step(records)
+            tracker.log(records)
+            if validator and (step % cfg.eval.interval == 0 or final):
+                tracker.log([metrics.log_eval(step, validator.run(model).as_dict())])
+                comm_counter.take()  # the evaluation's all-gathers are no training step's traffic
             if stopped_by is not None:
                 _stop_for_signal(stopped_by, step, checkpoints, model, optimizer, extra, main_log)
                 break
@@ -271,10 +254,13 @@ def run(cfg: TrainConfig, runtime: Runtime, layout: Layout, *, print_sharding: b
         if rank_metrics:
             rank_metrics.close()
     summary = metrics.close(stopped="signal" if stopped_by else "completed", signal_name=stopped_by)
+    tracker.close(summary)
     if summary["steps"]:
         main_log(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
                  f"{summary['final_loss']:.4f}, {summary['tokens_per_s'] or 0:,.0f} tok/s"
                  + (f"; stopped for {stopped_by}" if stopped_by else ""))
+    if cfg.checkpoint.hf_export_dir and stopped_by is None:
+        export_trained(model, cfg, Path(cfg.checkpoint.hf_export_dir), main_log)
     dist.barrier()
     return summary
 
@@ -300,11 +286,56 @@ def _stop_for_signal(signal_name: str, step: int, checkpoints: CheckpointManager
     log(f"stop: checkpoint of step {step} saved and verified; exiting")
 
 
-def train(cfg: TrainConfig, *, print_sharding: bool = False) -> dict:
-    # Meshes and batch splits that cannot work are refused before any process group exists.
+@dataclass(frozen=True)
+class Prepared:
+    """What a launch checked and built before any process group exists."""
+
+    layout: Layout
+    source: SampleSource
+    eval_source: PackedSource | None
+
+
+def prepare(cfg: TrainConfig, log: Callable[[str], None]) -> Prepared:
+    """Everything that can be refused before a process group exists: the mesh and batch split, the
+    weights against the architecture (headers only), the tokenizer against the embedding, the data and
+    the evaluation set, the tracking libraries."""
     layout = derive_layout(cfg, *launch_sizes())
+    problems = []
+    needs_tokenizer = cfg.data.source in ("jsonl", "parquet") or cfg.eval.interval
+    if needs_tokenizer and not cfg.model.hf_dir:
+        problems.append(Problem("model.hf_dir", None, f"is required for data.source={cfg.data.source} and "
+                                "evaluation (records are tokenized with the model's own tokenizer)",
+                                "set model.hf_dir to the model's directory"))
+    if cfg.parallel.lora.enabled and not cfg.model.hf_dir:
+        problems.append(Problem("parallel.lora.rank", cfg.parallel.lora.rank, "adapts a model that is not "
+                                "loaded (no model.hf_dir): the frozen base would be random",
+                                "set model.hf_dir, or parallel.lora.rank=0"))
+    if problems:
+        raise ConfigError(problems)
+    tokenizer = None
+    if cfg.model.hf_dir:
+        check_weights(build_model(cfg.model), Path(cfg.model.hf_dir))
+        if (Path(cfg.model.hf_dir) / "tokenizer.json").is_file():
+            tokenizer = Tokenizer.from_dir(Path(cfg.model.hf_dir))
+            if tokenizer.vocab_size > cfg.model.vocab_size:
+                raise ConfigError([Problem("model.hf_dir", f"{cfg.model.hf_dir}/tokenizer.json",
+                                           f"has {tokenizer.vocab_size} token ids, more than the embedding's "
+                                           f"{cfg.model.vocab_size} rows (config.json vocab_size)",
+                                           "use the tokenizer that belongs to this model")])
+    Tracker.check(cfg.tracking)
+    source = build_source(cfg.data, cfg.model.vocab_size, cfg.training.seed, tokenizer, log=log)
+    eval_source = None
+    if cfg.eval.interval:
+        eval_data = cfg.data.model_copy(update={"source": cfg.eval.source, "path": cfg.eval.path})
+        eval_source = evaluation_source(eval_data, tokenizer, cfg.model.vocab_size, log)
+    return Prepared(layout, source, eval_source)
+
+
+def train(cfg: TrainConfig, *, print_sharding: bool = False) -> dict:
+    rank_zero = int(os.environ.get("RANK", "0")) == 0
+    prepared = prepare(cfg, stderr_log if rank_zero else (lambda _message: None))
     runtime = init_distributed(cfg.distributed)
     try:
-        return run(cfg, runtime, layout, print_sharding=print_sharding)
+        return run(cfg, runtime, prepared, print_sharding=print_sharding)
     finally:
         shutdown()

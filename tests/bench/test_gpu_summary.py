@@ -62,7 +62,7 @@ def test_mfu_is_palm_flops_times_tokens_over_peak(gs, work):
     m = load_config(config, sets).model
     seq = load_config(config, sets).data.seq_len
     non_embedding = m.num_params - m.vocab_size * m.dim
-    flops = 6 * non_embedding + 6 * m.n_layers * m.n_heads * 2 * m.head_dim * seq
+    flops = 6 * non_embedding + 6 * m.n_layers * m.n_heads * 2 * m.head_size * seq
     assert bf16["mfu"] == pytest.approx(flops * bf16["median_tokens_per_s"] / 1e12)
 
 

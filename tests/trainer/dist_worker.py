@@ -19,13 +19,13 @@ from torch.distributed.tensor import DTensor
 from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
 from trainer.distributed import init_distributed, launch_sizes, shutdown
+from trainer.loss import loss_fn
 from trainer.metrics import gather_loss_and_memory
 from trainer.model import build_model
 from trainer.train import (
     build_optimizer,
     build_parallel_model,
     build_scheduler,
-    loss_fn,
     train_step,
 )
 
@@ -68,8 +68,8 @@ def reference_run(cfg, world_size: int, micro_batch: int
     for step in range(STEPS):
         total = 0.0
         for micro in range(accumulation):
-            inputs, targets = loader.batch(step * accumulation + micro)
-            loss = loss_fn(model(inputs), targets)
+            batch = loader.batch(step * accumulation + micro)
+            loss = loss_fn(model(batch.inputs), batch.targets)
             (loss / accumulation).backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or math.inf)

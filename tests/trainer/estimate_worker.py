@@ -17,7 +17,8 @@ from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
 from trainer.distributed import init_distributed, shutdown
 from trainer.estimate import estimate
-from trainer.train import build_parallel_model, loss_fn
+from trainer.loss import loss_fn
+from trainer.train import build_parallel_model
 
 CASES = {
     "deep": ["model.vocab_size=2048", "model.dim=128", "model.n_heads=4", "model.ffn_dim=352",
@@ -40,9 +41,9 @@ def main() -> None:
             loader = BatchLoader(build_source(cfg.data, cfg.model.vocab_size, 0),
                                  micro_batch_size=layout.micro_batch_size, rank=0, world_size=1, seed=0,
                                  device=runtime.device, prefetch=1)
-            inputs, targets = loader.next()
+            batch = loader.next()
             with PeakTracker() as tracker:
-                loss_fn(model(inputs), targets).backward()
+                loss_fn(model(batch.inputs), batch.targets).backward()
             loader.close()
             est = estimate(cfg, 1, ranks_per_node=1)
             results[f"{name}{'_ac' if checkpointing else ''}"] = {

@@ -17,8 +17,9 @@ from tests.trainer.memory import PeakTracker, gathered_param_bytes, gradient_byt
 from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
 from trainer.distributed import init_distributed, launch_sizes
+from trainer.loss import loss_fn
 from trainer.parallelize import set_gradient_sync
-from trainer.train import build_optimizer, build_parallel_model, loss_fn
+from trainer.train import build_optimizer, build_parallel_model
 
 STRATEGIES = {"FULL_SHARD": [], "SHARD_GRAD_OP": [],
               "HYBRID_SHARD": ["parallel.sharding_degree=2"]}
@@ -44,16 +45,16 @@ def measure(strategy: str, extra: list[str], runtime) -> dict:
         with PeakTracker() as tracker:
             for micro in range(2):
                 set_gradient_sync(model, cfg.parallel.strategy, micro == 1)
-                inputs, targets = loader.next()
-                (loss_fn(model(inputs), targets) / 2).backward()
+                batch = loader.next()
+                (loss_fn(model(batch.inputs), batch.targets) / 2).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         # A non-final micro-batch of the next step, by hand.
         set_gradient_sync(model, cfg.parallel.strategy, False)
-        inputs, targets = loader.next()
-        logits = model(inputs)
+        batch = loader.next()
+        logits = model(batch.inputs)
         gathered = gathered_param_bytes(model)
-        loss_fn(logits, targets).backward()
+        loss_fn(logits, batch.targets).backward()
         grads = gradient_bytes(model)
         optimizer.zero_grad(set_to_none=True)
     finally:

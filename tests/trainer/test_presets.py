@@ -37,7 +37,7 @@ def test_flops_per_token_matches_palm_formula():
     cfg = load_config("gpt-7b").model
     seq = 2048
     n_dense = cfg.num_params - cfg.vocab_size * cfg.dim
-    assert cfg.flops_per_token(seq) == 6 * n_dense + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq
+    assert cfg.flops_per_token(seq) == 6 * n_dense + 12 * cfg.n_layers * cfg.n_heads * cfg.head_size * seq
 
 
 def test_built_model_runs_on_cpu():

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 
 from trainer.commtime import uncovered, union
 from trainer.config import OptimConfig
+from trainer.loss import loss_fn
 from trainer.metrics import peak_flops_for_name
-from trainer.train import build_optimizer, build_scheduler, follow_schedule, loss_fn
+from trainer.train import build_optimizer, build_scheduler, follow_schedule
 
 
 @pytest.mark.parametrize(("name", "tflops"), [

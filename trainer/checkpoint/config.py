@@ -32,6 +32,10 @@ class CheckpointConfig(pydantic.BaseModel):
     """Write in the background; training blocks only while the state is staged."""
     resume: str = "auto"
     """auto: the newest verified checkpoint in any copy; none: start fresh; or a checkpoint path."""
+    hf_export_dir: str | None = None
+    """At the end of training, write the model here as a Hugging Face directory (config.json, sharded
+    safetensors with an index, the tokenizer files, a SHA256 manifest) in the model's original dtype,
+    or a PEFT adapter directory for LoRA runs (parallel.lora.export)."""
 
     @pydantic.field_validator("interval")
     @classmethod

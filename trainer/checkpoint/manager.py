@@ -80,8 +80,12 @@ class CheckpointManager:
     """Save, mirror, prune and resume checkpoints. Every rank constructs one with the same config and
     calls every method (they are collective), except ``should_save`` which is local."""
 
-    def __init__(self, cfg: CheckpointConfig, *, rank: int, world_size: int, log: Callable[[str], None]):
+    def __init__(self, cfg: CheckpointConfig, *, rank: int, world_size: int, log: Callable[[str], None],
+                 run_config: dict[str, Any] | None = None):
+        """`run_config`: the trainer config, kept in each manifest so that `python -m trainer export`
+        can rebuild the model from the checkpoint alone."""
         self.cfg = cfg
+        self.run_config = run_config
         self.rank = rank
         self.world_size = world_size
         self.log = log
@@ -326,7 +330,8 @@ class CheckpointManager:
         manifest = {"format": MANIFEST_FORMAT, "step": step, "world_size": self.world_size,
                     "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                     "created_unix": time.time(),
-                    "torch_version": torch.__version__, "files": dict(sorted(files.items()))}
+                    "torch_version": torch.__version__, "trainer_config": self.run_config,
+                    "files": dict(sorted(files.items()))}
         problems = structure_problems(tmp, manifest) + reference_problems(tmp, manifest)
         if problems:
             raise CheckpointError("; ".join(problems))

@@ -18,6 +18,8 @@ import torch.distributed.checkpoint as dcp
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "fsdp-cluster-checkpoint/1"
+# A Hugging Face export (trainer/hf/weights.py): the same file list, no step, no DCP metadata.
+EXPORT_FORMAT = "fsdp-cluster-hf-export/1"
 DCP_METADATA = ".metadata"
 TMP_SUFFIX = ".tmp"
 CHECKPOINT_NAME = re.compile(r"^step_(\d{8,})$")
@@ -73,9 +75,10 @@ def parse_manifest(text: str, where: str) -> tuple[dict[str, Any] | None, str | 
         manifest = json.loads(text)
     except ValueError as exc:
         return None, f"{where}: {MANIFEST} is unreadable: {exc}"
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or not isinstance(
-            manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
-        return None, f"{where}: {MANIFEST} is not a {MANIFEST_FORMAT} manifest"
+    known = isinstance(manifest, dict) and manifest.get("format") in (MANIFEST_FORMAT, EXPORT_FORMAT)
+    if not known or not isinstance(manifest.get("files"), dict) or not (
+            manifest["format"] == EXPORT_FORMAT or isinstance(manifest.get("step"), int)):
+        return None, f"{where}: {MANIFEST} is not a {MANIFEST_FORMAT} or {EXPORT_FORMAT} manifest"
     for name, entry in manifest["files"].items():
         # plain names only: a manifest must not make us read or download outside its directory
         if not PLAIN_NAME.fullmatch(name) or name in (".", "..") or not isinstance(entry, dict) or not (
@@ -146,7 +149,7 @@ def verify_checkpoint(path: str | os.PathLike) -> list[str]:
     if problems:
         return problems
     problems = hash_problems(path, manifest, sorted(manifest["files"]))
-    if problems:
+    if problems or manifest["format"] == EXPORT_FORMAT:
         return problems
     return reference_problems(path, manifest)
 

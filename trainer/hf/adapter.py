@@ -1,0 +1,78 @@
+"""The state-dict adapter: the trainer's parameter names to and from the Hugging Face names of the
+Llama-style families (llama, mistral, qwen2, qwen3 share them), and LoRA adapters to PEFT's names.
+
+The rotary layout needs no mapping: the model rotates halves as the checkpoints store them
+(trainer/model.py), so every tensor is read and written as it is, slice by slice.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Within block i: ours -> theirs (prefix of `.weight` / `.bias`).
+_BLOCK = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias|lora_a|lora_b)$")
+_HF_BLOCK_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# The linear layers LoRA can target, by the names PEFT users write in target_modules.
+LORA_TARGETS = {hf.split(".")[-1]: ours for ours, hf in _BLOCK.items() if hf.endswith("_proj")}
+PEFT_PREFIX = "base_model.model."
+
+
+class UnknownParameter(KeyError):
+    """A name the adapter has no mapping for."""
+
+
+def to_hf(name: str) -> str:
+    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    if name in _TOP:
+        return _TOP[name]
+    match = _BLOCK_NAME.match(name)
+    if match is None or match.group(2) not in _BLOCK or match.group(3) not in ("weight", "bias"):
+        raise UnknownParameter(name)
+    layer, module, kind = match.groups()
+    return f"model.layers.{layer}.{_BLOCK[module]}.{kind}"
+
+
+def from_hf(name: str) -> str:
+    """The inverse of to_hf."""
+    for ours, theirs in _TOP.items():
+        if name == theirs:
+            return ours
+    match = _HF_BLOCK_NAME.match(name)
+    reverse = {theirs: ours for ours, theirs in _BLOCK.items()}
+    if match is None or match.group(2) not in reverse:
+        raise UnknownParameter(name)
+    layer, module, kind = match.groups()
+    return f"layers.{layer}.{reverse[module]}.{kind}"
+
+
+def is_lora(name: str) -> bool:
+    return name.endswith((".lora_a", ".lora_b"))
+
+
+def to_peft(name: str) -> str:
+    """`layers.0.attention.wq.lora_a` -> `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`
+    (the keys `peft` saves in adapter_model.safetensors)."""
+    match = _BLOCK_NAME.match(name)
+    if match is None or not is_lora(name):
+        raise UnknownParameter(name)
+    layer, module, kind = match.groups()
+    matrix = "lora_A" if kind == "lora_a" else "lora_B"
+    return f"{PEFT_PREFIX}model.layers.{layer}.{_BLOCK[module]}.{matrix}.weight"

@@ -1,0 +1,165 @@
+"""A Hugging Face `config.json` read into the trainer's model keys, or refused by field.
+
+The families share one block (trainer/model.py); what differs is read here:
+
+| model_type | q/k/v bias | output bias | q/k norm | head size | rope |
+|---|---|---|---|---|---|
+| llama   | attention_bias | attention_bias | - | head_dim or hidden/heads | default, llama3 |
+| mistral | - | - | - | head_dim or hidden/heads | default (sliding_window: sequences up to it) |
+| qwen2   | always | - | - | hidden/heads | default |
+| qwen3   | attention_bias | attention_bias | yes | head_dim | default |
+
+Both spellings of the rotary settings are read: transformers 4 writes `rope_theta` + `rope_scaling`,
+transformers 5 `rope_parameters`. Anything this trainer would compute differently from transformers
+(another activation, MLP biases, a rope type it does not implement, sliding-window layers) is refused
+before any process group starts, naming the config.json field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import ConfigError, Problem
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# The next issue's families: named in the refusal so users know they are coming, not mistyped.
+MOE_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral")
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "configs" / "hf"
+DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class HFArchitecture:
+    """What a config.json says about the model."""
+
+    model_fields: dict[str, Any]
+    """ModelConfig keys and values (validated by ModelConfig itself)."""
+    dtype: str
+    """The weights' dtype as config.json names it (bfloat16, float16, float32): exports keep it."""
+    raw: dict[str, Any]
+    """The file as read: exports write it back with only what training changed."""
+    source: str
+    """Where it came from, for messages."""
+
+
+def bundled_config_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
+
+
+def config_path(name_or_path: str, key: str) -> Path:
+    """A config.json path: a file, a directory holding config.json, or a bundled name."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError([Problem(key, name_or_path, "is a directory without config.json",
+                                       "point it at a Hugging Face model directory (config.json, "
+                                       "*.safetensors, tokenizer.json)")])
+        return path
+    if path.is_file():
+        return path
+    bundled = BUNDLED_DIR / f"{name_or_path}.json"
+    if bundled.is_file():
+        return bundled
+    raise ConfigError([Problem(key, name_or_path, "is neither a directory, a config.json nor a bundled "
+                               "architecture", f"use a model directory or one of: "
+                               f"{', '.join(bundled_config_names())}")])
+
+
+def read_architecture(name_or_path: str, key: str) -> HFArchitecture:
+    path = config_path(name_or_path, key)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError([Problem(key, str(path), f"cannot be read as JSON: {e}",
+                                   "restore the model's config.json")]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([Problem(key, str(path), "is not a JSON object",
+                                   "restore the model's config.json")])
+    return architecture_from_dict(raw, str(path))
+
+
+def _rope(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, Any]:
+    """rope_theta and rope_scaling from either spelling."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict):
+        theta, scaling, field = params.get("rope_theta", raw.get("rope_theta")), params, "rope_parameters"
+    else:
+        theta, scaling, field = raw.get("rope_theta"), raw.get("rope_scaling"), "rope_scaling"
+    out: dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "llama3":
+        original = scaling.get("original_max_position_embeddings")
+        if not scaling.get("factor") or not original:
+            problems.append(Problem(f"{where}: {field}", scaling, "has rope_type llama3 without factor or "
+                                    "original_max_position_embeddings", "restore the model's config.json"))
+            return out
+        out["rope_scaling"] = {"type": "llama3", "factor": float(scaling["factor"]),
+                               "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
+                               "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
+                               "original_max_seq_len": int(original)}
+    elif rope_type != "default":
+        problems.append(Problem(f"{where}: {field}.rope_type", rope_type, "is a rotary scaling this trainer "
+                                "does not implement", "use a model with rope_type default or llama3 "
+                                "(YaRN comes with the gpt-oss support)"))
+    return out
+
+
+def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
+    problems: list[Problem] = []
+    family = raw.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        later = " (mixture-of-experts: not yet supported)" if family in MOE_FAMILIES else ""
+        raise ConfigError([Problem(f"{where}: model_type", family, f"is not a family this trainer "
+                                   f"implements{later}", f"use one of: {', '.join(SUPPORTED_FAMILIES)}")])
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [name for name in required if not isinstance(raw.get(name), int)]
+    if missing:
+        raise ConfigError([Problem(f"{where}: {name}", raw.get(name), "is missing or not an integer",
+                                   "restore the model's config.json") for name in missing])
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(Problem(f"{where}: hidden_act", raw["hidden_act"], "is not silu (SwiGLU)",
+                                "use a model with hidden_act silu"))
+    if raw.get("mlp_bias"):
+        problems.append(Problem(f"{where}: mlp_bias", True, "asks for feed-forward biases, which this "
+                                "trainer does not implement", "use a model without MLP biases"))
+    layer_types = raw.get("layer_types") or []
+    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
+        problems.append(Problem(f"{where}: use_sliding_window", raw.get("use_sliding_window", layer_types),
+                                "asks for sliding-window attention layers, which this trainer does not "
+                                "implement", "use the model with use_sliding_window false"))
+    attention_bias = bool(raw.get("attention_bias", False))
+    fields: dict[str, Any] = {
+        "family": family,
+        "vocab_size": raw["vocab_size"],
+        "dim": raw["hidden_size"],
+        "n_layers": raw["num_hidden_layers"],
+        "n_heads": raw["num_attention_heads"],
+        "n_kv_heads": raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        "head_dim": raw.get("head_dim") or None,
+        "ffn_dim": raw["intermediate_size"],
+        "max_seq_len": int(raw.get("max_position_embeddings", 2048)),
+        "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+        "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "qkv_bias": True if family == "qwen2" else attention_bias,
+        "o_bias": False if family in ("qwen2", "mistral") else attention_bias,
+        "qk_norm": family == "qwen3",
+        **_rope(raw, problems, where),
+    }
+    if family == "mistral" and raw.get("sliding_window"):
+        fields["sliding_window"] = int(raw["sliding_window"])
+    dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+    if dtype not in DTYPE_NAMES:
+        problems.append(Problem(f"{where}: torch_dtype", dtype, "is not a dtype the trainer exports",
+                                f"use one of: {', '.join(DTYPE_NAMES)}"))
+    if problems:
+        raise ConfigError(problems)
+    return HFArchitecture(fields, dtype, raw, where)
+
+
+def model_type_of(family: str) -> str:
+    """The model_type an export writes: the project's own GPT is a Llama."""
+    return "llama" if family == "gpt" else family
