@@ -48,7 +48,7 @@ PROJECT_ROOT = REPO_ROOT
 # program); a change in any of these files, or in the requirements, means a new wheel.
 TRAINER_DISTRIBUTION = "fsdp-trainer"
 _WHEEL_PACKAGE = "trainer"
-_WHEEL_SUFFIXES = {".py", ".yaml"}
+_WHEEL_SUFFIXES = {".py", ".yaml", ".json"}  # .json: bundled config.json architectures
 WHEELHOUSE_LAYOUT = "wheelhouse/2: wheels + constraints.txt"
 PROBE_TIMEOUT_S = 30
 INSTALL_TIMEOUT_S = 900
@@ -152,7 +152,7 @@ fsdp-train = "trainer.__main__:main"
 include = ["trainer*"]
 
 [tool.setuptools.package-data]
-trainer = ["configs/*.yaml"]
+trainer = ["configs/*.yaml", "configs/hf/*.json"]
 """
 
 

@@ -126,6 +126,11 @@ TRAINER_ARGS=({" ".join(q(a) for a in job.trainer_args())})
 # The NCCL/libfabric environment of the nccl role, where it wrote one.
 if [ -r {NCCL_ENV_FILE} ]; then set -a; . {NCCL_ENV_FILE}; set +a; fi
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+# An s3:// model.hf_dir (or data.path) is downloaded once per node, resumably, into this cache: the
+# node's NVMe scratch where the storage role made one, else the home directory.
+if [ -z "${{FSDP_MODEL_CACHE:-}}" ] && [ -d /scratch ] && [ -w /scratch ]; then
+    export FSDP_MODEL_CACHE=/scratch/fsdp-cluster/models
+fi
 {exports}
 log() {{ echo "[fsdpctl $(date -u +%H:%M:%S)] $*"; }}
 node_address() {{ scontrol show node "$1" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p'; }}

@@ -142,3 +142,23 @@ def test_nothing_imports_the_cli_but_its_entry_point():
                                   "infra.spec.constants"])
 def test_error_modules_are_leaves(leaf):
     assert GRAPH[leaf] == set(), f"{leaf} must import nothing of the project"
+
+
+def _third_party_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_trainer_never_imports_transformers():
+    """transformers (and peft) are the tests' independent reference for Hugging Face models, not a
+    dependency of the nodes' wheel: the trainer reads config.json, safetensors and tokenizer.json itself."""
+    offenders = sorted(f"{name} imports {lib}" for name, path in MODULES.items() if name.startswith("trainer")
+                       for lib in _third_party_imports(path) & {"transformers", "peft", "huggingface_hub"})
+    assert offenders == []
+    # The check sees third-party imports at all.
+    assert "safetensors" in _third_party_imports(MODULES["trainer.hf.weights"])

@@ -19,6 +19,7 @@ from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_config, shipped_config_names
 from trainer.data import DataError
 from trainer.estimate import GPU_MEMORY, estimate, report
+from trainer.hf.fetch import FetchError
 from trainer.train import train
 
 
@@ -108,7 +109,7 @@ def _subcommand(name: str, argv: list[str]) -> int:
         else:
             args = build_export_parser().parse_args(argv)
             run_export(Path(args.checkpoint), Path(args.out), args.overrides)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, FetchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate:
         try:
             return run_estimate(args, parser)
-        except ConfigError as e:
+        except (ConfigError, FetchError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if not args.config:
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides, flags)
         train(cfg, print_sharding=args.print_sharding)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, FetchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,7 +24,7 @@ from trainer.evaluate import EvalResult, evaluate, evaluation_source
 from trainer.hf.weights import export_trained
 from trainer.metrics import stderr_log
 from trainer.tokenizer import Tokenizer
-from trainer.train import build_parallel_model
+from trainer.train import build_parallel_model, with_local_data
 
 
 def _sharded_over_all(cfg: TrainConfig) -> tuple[TrainConfig, Layout]:
@@ -45,6 +45,7 @@ def run_eval(cfg: TrainConfig, log: Callable[[str], None] = stderr_log) -> EvalR
                                    "set (the documents to score)", "--set data.source=jsonl --set "
                                    "data.path=FILE")])
     tokenizer = Tokenizer.from_dir(Path(cfg.model.hf_dir))
+    cfg = with_local_data(cfg, log)
     source = evaluation_source(cfg.data, tokenizer, cfg.model.vocab_size, log)
     cfg, layout = _sharded_over_all(cfg)
     runtime = init_distributed(cfg.distributed)
@@ -81,13 +82,12 @@ def run_export(checkpoint: Path, out: Path, overrides: list[str], log: Callable[
                ) -> Path:
     cfg = checkpoint_config(checkpoint, overrides)
     cfg, layout = _sharded_over_all(cfg)
-    # The weights come from the checkpoint: the model is built without reading model.hf_dir's shards
-    # (its config.json and tokenizer files still go into the export).
-    build_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_dir": None})})
     runtime: Runtime = init_distributed(cfg.distributed)
     try:
         main_log = log if runtime.is_main else _quiet
-        model = build_parallel_model(build_cfg, runtime, layout)
+        # The weights come from the checkpoint, not model.hf_dir's shards (its config.json and
+        # tokenizer files still go into the export).
+        model = build_parallel_model(cfg, runtime, layout, fill=False)
         state = {"model": get_model_state_dict(model)}
         dcp.load(state, checkpoint_id=str(checkpoint))
         set_model_state_dict(model, state["model"])

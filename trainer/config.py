@@ -523,12 +523,9 @@ def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(location, str):
         raise ConfigError([Problem(key, location, "is not a path", "give a directory, a file or a name")])
     if key == "model.hf_dir" and location.startswith("s3://"):
-        from trainer.hf.fetch import ModelFetchError, resolve_model_dir
+        from trainer.hf.fetch import resolve_model_dir
 
-        try:
-            location = str(resolve_model_dir(location, model.get("cache_dir")))
-        except ModelFetchError as e:
-            raise ConfigError([Problem(key, model["hf_dir"], str(e), "see the message")]) from None
+        location = str(resolve_model_dir(location, model.get("cache_dir")))  # FetchError names the key
         model = {**model, "hf_dir": location}
     architecture = read_architecture(location, key)
     clashes = [Problem(f"model.{name}", model[name], f"is set by {architecture.source} ({key})",

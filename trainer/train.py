@@ -33,6 +33,7 @@ from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdow
 from trainer.documents import PackedSource
 from trainer.errors import ConfigError, Problem
 from trainer.evaluate import Validator, evaluation_source
+from trainer.hf.fetch import resolve_data_path
 from trainer.hf.weights import check_weights, export_trained, load_weights
 from trainer.lora import apply_lora, init_lora
 from trainer.loss import token_nll_sum
@@ -152,10 +153,12 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
 
 
 def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout,
-                         log: Callable[[str], None] = lambda _message: None) -> Transformer:
+                         log: Callable[[str], None] = lambda _message: None, *,
+                         fill: bool = True) -> Transformer:
     """Meta-device model -> LoRA adapters (if any) -> fully_shard -> allocate only this rank's shards
     -> fill them: from model.hf_dir's safetensors (each rank reads its own rows) or a seeded random
-    initialisation; adapters always start as LoRA prescribes."""
+    initialisation; adapters start as LoRA prescribes. fill=False leaves the shards to a checkpoint
+    about to be loaded (reading a 70B model's files only to overwrite them would cost minutes)."""
     model = build_model(cfg.model)
     lora = cfg.parallel.lora
     if lora.enabled:
@@ -163,8 +166,10 @@ def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout,
     mesh = build_mesh(layout, cfg.parallel.strategy, runtime.device.type)
     parallelize(model, mesh, cfg.parallel, runtime.device.type)
     model.to_empty(device="cpu" if cfg.parallel.cpu_offload else runtime.device)
+    model.init_buffers(runtime.device)
+    if not fill:
+        return model
     if cfg.model.hf_dir:
-        model.init_buffers(runtime.device)
         load_weights(model, Path(cfg.model.hf_dir), log)
     else:
         model.init_weights(cfg.training.seed, buffer_device=runtime.device)
@@ -178,7 +183,9 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
     layout, source, eval_source = prepared.layout, prepared.source, prepared.eval_source
     main_log = log if runtime.is_main else (lambda _message: None)
     torch.manual_seed(cfg.training.seed)
-    model = build_parallel_model(cfg, runtime, layout, main_log)
+    checkpoints = CheckpointManager(cfg.checkpoint, rank=runtime.rank, world_size=runtime.world_size,
+                                    log=main_log, run_config=cfg.model_dump(mode="json"))
+    model = build_parallel_model(cfg, runtime, layout, main_log, fill=not checkpoints.will_resume())
     comm_counter = CommBytes.install(model)  # bytes of FSDP2's collectives per step (trainer/commbytes.py)
     main_log(f"model: {cfg.model.num_params:,} parameters, {cfg.parallel.strategy} on "
              f"{runtime.world_size} ranks ({runtime.num_nodes} node(s)), mesh replicate={layout.replicate} "
@@ -196,8 +203,6 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
     extra = {"lr_scheduler": scheduler, "data": loader}
     if scaler:
         extra["grad_scaler"] = scaler
-    checkpoints = CheckpointManager(cfg.checkpoint, rank=runtime.rank, world_size=runtime.world_size,
-                                    log=main_log, run_config=cfg.model_dump(mode="json"))
     start = checkpoints.maybe_resume(model, optimizer, extra)
     if start:
         follow_schedule(optimizer, scheduler, cfg.optim, main_log)
@@ -295,6 +300,24 @@ class Prepared:
     eval_source: PackedSource | None
 
 
+# What an s3:// data.path / eval.path holds, by source.
+DATA_SUFFIXES = {"jsonl": ".jsonl", "parquet": ".parquet", "tokens": ".bin"}
+
+
+def with_local_data(cfg: TrainConfig, log: Callable[[str], None]) -> TrainConfig:
+    """The config with an s3:// data.path and eval.path replaced by their local copies, downloaded once
+    per node (trainer/hf/fetch.py) into model.cache_dir; FetchError names the key and the fix."""
+    data, evaluation = cfg.data, cfg.eval
+    if data.path and data.path.startswith("s3://") and data.source in DATA_SUFFIXES:
+        data = data.model_copy(update={"path": resolve_data_path(
+            data.path, DATA_SUFFIXES[data.source], cfg.model.cache_dir, key="data.path", log=log)})
+    if evaluation.path and evaluation.path.startswith("s3://"):
+        evaluation = evaluation.model_copy(update={"path": resolve_data_path(
+            evaluation.path, DATA_SUFFIXES[evaluation.source], cfg.model.cache_dir, key="eval.path",
+            log=log)})
+    return cfg.model_copy(update={"data": data, "eval": evaluation})
+
+
 def prepare(cfg: TrainConfig, log: Callable[[str], None]) -> Prepared:
     """Everything that can be refused before a process group exists: the mesh and batch split, the
     weights against the architecture (headers only), the tokenizer against the embedding, the data and
@@ -323,6 +346,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None]) -> Prepared:
                                            f"{cfg.model.vocab_size} rows (config.json vocab_size)",
                                            "use the tokenizer that belongs to this model")])
     Tracker.check(cfg.tracking)
+    cfg = with_local_data(cfg, log)
     source = build_source(cfg.data, cfg.model.vocab_size, cfg.training.seed, tokenizer, log=log)
     eval_source = None
     if cfg.eval.interval:

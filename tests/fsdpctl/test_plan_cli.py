@@ -237,3 +237,13 @@ def test_plan_shows_the_trainer_configs_memory_fit_on_the_planned_gpus(capsys):
 def test_plan_refuses_an_unknown_trainer_config(capsys):
     assert main(["plan", DEMO, "--trainer-config", "gpt-9000"]) == 2
     assert "--trainer-config gpt-9000" in capsys.readouterr().err
+
+
+def test_plan_fits_the_hugging_face_presets_with_their_variants(tmp_path, capsys):
+    """Presets whose architecture is a bundled config.json need no weights to be planned: Llama 3.1 8B
+    fits one p5 node, 70B only with LoRA there."""
+    spec = write_spec(tmp_path, instance_type="p5.48xlarge", node_count=1)
+    for config, fits in (("llama3-8b", True), ("llama3-70b", False), ("llama3-70b-lora", True)):
+        assert main(["plan", spec, "--json", "--trainer-config", config]) == 0
+        fit = json.loads(capsys.readouterr().out)["memory_fit"]
+        assert (fit["config"], fit["world_size"], fit["gpu"], fit["fits"]) == (config, 8, "h100", fits)

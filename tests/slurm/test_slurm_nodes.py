@@ -1,8 +1,9 @@
 """Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module):
 after `configure --tags slurm` every node is idle in sinfo and a second configure changes nothing;
-a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a node's workers killed
-mid-job make the job requeue and finish from its checkpoint, repeating the lost steps with the same
-losses; the spot watcher drains its node on a rebalance recommendation and on an interruption
+a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a 2-node fine-tuning job
+loads a Hugging Face model from the shared file system and exports one transformers loads; a node's
+workers killed mid-job make the job requeue and finish from its checkpoint, repeating the lost steps
+with the same losses; the spot watcher drains its node on a rebalance recommendation and on an interruption
 notice from an IMDS stand-in on the node's loopback, and the job running there checkpoints at once;
 `fsdpctl exclude` drains the node.
 
@@ -133,6 +134,37 @@ def test_two_node_training_job_completes_and_loss_falls(cluster):
     home, env = cluster
     log = fsdpctl(home, "logs", str(job_id), env=env).stdout
     assert f"job {job_id} run 0 on {NAME}-node[0-1]" in log and log.rstrip().endswith("completed")
+
+
+def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(cluster, tmp_path):
+    """The deployed wheel alone (no transformers on the nodes) loads a Hugging Face model from the
+    shared file system, trains on chats with its tokenizer and chat template, and exports."""
+    from tests.trainer.hf_fixtures import chat_examples, make_model, reference_chat_eval
+
+    root = shared(cluster) / "hf-test"
+    model = make_model("qwen3", root / "model")
+    chats = chat_examples(16)
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    home, env = cluster
+    out = fsdpctl(home, "train", "finetune", "--nodes", "2", "--steps", "8", "--name", "sft-2n",
+                  "--set", "model.hf_dir=/shared/hf-test/model",
+                  "--set", "data.path=/shared/hf-test/chats.jsonl",
+                  "--set", "data.messages_field=messages", "--set", "data.seq_len=64",
+                  "--set", "parallel.param_dtype=fp32", "--set", "training.global_batch_size=4",
+                  "--set", "optim.lr=2e-3", "--set", "optim.warmup_steps=1",
+                  "--set", "checkpoint.hf_export_dir=/shared/hf-test/export", env=env).stdout
+    job_id = int(out.split("submitted job ")[1].split()[0])
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] in ("COMPLETED", "FAILED") and r,
+                   "fine-tuning job end")
+    assert row["state"] == "COMPLETED", fsdpctl(home, "logs", str(job_id), env=env).stdout[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    export = root / "export"
+    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    before, _ = reference_chat_eval(model, chats, 64)
+    after, _ = reference_chat_eval(export, chats, 64)
+    assert after < before
 
 
 def test_cancelled_job_ends_without_a_requeue(cluster):

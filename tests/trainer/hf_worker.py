@@ -72,6 +72,9 @@ def grads(model_dir: str, docs_path: str, out: str) -> None:
         result = {name: float((ours[name] - theirs[name].grad).abs().max() / theirs[name].grad.abs().max())
                   for name in ours}
         Path(out).write_text(json.dumps(result))
+    # Rank 1 must not tear its process group down while rank 0 still computes the reference (gloo
+    # aborts the process: "terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -144,13 +144,22 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 def test_train_export_reload_in_transformers(models, docs, tmp_path, strategy, nproc):
     path, texts = docs
     source = models["qwen3"]
-    extra = ["--set", f"parallel.strategy={strategy}"]
+    extra = ["--set", f"parallel.strategy={strategy}", "--set", "eval.interval=4", "--set",
+             f"eval.path={path}"]
     if strategy == "HYBRID_SHARD":
         extra += ["--set", "parallel.sharding_degree=2"]  # 2 replicas x 2 shards
     summary = _train(tmp_path, source, path, nproc, *extra)
     assert summary["final_loss"] < summary["first_loss"]
+    # The validation loss every 4 steps, in the JSONL and the summary; TensorBoard next to it.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r.get("event") == "eval"]
+    assert [r["step"] for r in evals] == [4, 8] and evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[0]["eval_tokens"] == reference_eval(source, texts, SEQ_LEN)[1]
+    assert summary["eval_loss"] == evals[-1]["eval_loss"]
+    assert list((tmp_path / "metrics.tensorboard").glob("events.out.tfevents.*"))
     export = tmp_path / "export"
     assert verify_checkpoint(export) == []
+    assert_ok(_single(["-m", "trainer.checkpoint", "verify", str(export)]))
     assert json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
     original, exported = _tensors(source), _tensors(export)
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {
@@ -172,6 +181,12 @@ def test_train_export_reload_in_transformers(models, docs, tmp_path, strategy, n
         assert verify_checkpoint(again) == []
         for name, tensor in _tensors(again).items():
             assert torch.equal(tensor, exported[name]), name
+        # The manifest covers the export: one flipped byte in a shard is found.
+        shard = sorted(again.glob("*.safetensors"))[0]
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        assert any("SHA256 mismatch" in p for p in verify_checkpoint(again))
 
 
 def test_lora_exports_a_peft_adapter_and_merged_weights(models, docs, tmp_path):
@@ -282,14 +297,47 @@ def test_weights_that_do_not_fit_the_config(models, docs, tmp_path):
     assert "mlp.gate_proj.weight" in _problem(e) and "[96, 64]" in _problem(e)
 
 
-def test_tokenizer_larger_than_the_embedding(models, docs, tmp_path):
-    import shutil
-
-    broken = tmp_path / "small-embedding"
-    shutil.copytree(models["mistral"], broken)
-    config = json.loads((broken / "config.json").read_text())
-    config["vocab_size"] = 256
-    (broken / "config.json").write_text(json.dumps(config))
+def test_tokenizer_larger_than_the_embedding(docs, tmp_path):
+    # Weights and config.json agree on 256 rows; the 400-token tokenizer does not fit them.
+    broken = make_model("mistral", tmp_path / "small-embedding", vocab_size=256)
     with pytest.raises(ConfigError) as e:
         _prepare(broken, docs[0])
     assert "tokenizer.json" in _problem(e) and "256" in _problem(e)
+
+
+def test_model_and_data_from_s3_on_two_ranks(models, docs, tmp_path, monkeypatch):
+    """model.hf_dir and data.path as s3:// prefixes (a moto server on loopback): downloaded once into
+    the cache before any process group, then the same loss as from the local copies."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.trainer.test_checkpoint_worker import free_port
+
+    path, texts = docs
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
+    server.start()
+    try:
+        aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}",
+               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+        s3 = boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+        s3.create_bucket(Bucket="team")
+        for file in models["qwen2"].iterdir():
+            s3.upload_file(str(file), "team", f"models/qwen2/{file.name}")
+        s3.upload_file(str(path), "team", "data/docs.jsonl")
+        cache = tmp_path / "cache"
+        args = ["-m", "trainer", "eval", "--config", "finetune", "--set", "model.hf_dir=s3://team/models/qwen2",
+                "--set", "data.path=s3://team/data/docs.jsonl", "--set", f"model.cache_dir={cache}", *FP32,
+                "--json"]
+        for name, value in aws.items():
+            monkeypatch.setenv(name, value)  # torchrun's workers inherit them
+        proc = torchrun(2, args)
+    finally:
+        server.stop()
+    got = _json_line(proc)
+    want_loss, want_tokens = reference_eval(models["qwen2"], texts, SEQ_LEN)
+    assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
+    local = cache / "team" / "models" / "qwen2"
+    assert (local / "config.json").read_bytes() == (models["qwen2"] / "config.json").read_bytes()
+    assert (cache / "team" / "data" / "docs.jsonl").read_bytes() == path.read_bytes()

@@ -47,3 +47,34 @@ def test_built_model_runs_on_cpu():
     model.init_weights(0, buffer_device="cpu")
     logits = model(torch.randint(cfg.vocab_size, (2, 16)))
     assert logits.shape == (2, 16, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+# Published parameter counts of the models whose config.json the presets bundle.
+HF_PRESETS = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "qwen3-32b": 32_762_123_264}
+
+
+@pytest.mark.parametrize("name", sorted(HF_PRESETS))
+def test_hf_preset_parameter_count(name):
+    cfg = load_config(name)
+    model = build_model(cfg.model)
+    assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params == HF_PRESETS[name]
+
+
+def test_llama32_1b_ties_its_embeddings():
+    cfg = load_config("finetune", ["model.hf_config=llama3.2-1b", "data.path=unused.jsonl"])
+    model = build_model(cfg.model)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params == 1_235_814_400
+
+
+def test_lora_preset_trains_the_adapters_only():
+    from trainer.lora import apply_lora
+
+    cfg = load_config("llama3-70b-lora")
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.parallel.lora, torch.bfloat16)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # r x (in + out) for q, k, v, o, gate, up, down in each of 80 layers.
+    per_layer = 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 28672) * 3)
+    assert trainable == 80 * per_layer
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)

@@ -31,7 +31,7 @@ def _checkpoint_dirs(path: Path) -> Iterator[Path]:
 
 def _row(path: str, manifest: dict[str, Any] | None, problems: list[str], *,
          committed: bool = True) -> dict[str, Any]:
-    return {"path": path, "step": manifest["step"] if manifest else None,
+    return {"path": path, "step": manifest.get("step") if manifest else None,  # None: an HF export
             "world_size": manifest.get("world_size") if manifest else None,
             "created_at": manifest.get("created_at") if manifest else None,
             "bytes": sum(e["size"] for e in manifest["files"].values()) if manifest else None,

@@ -403,6 +403,15 @@ class CheckpointManager:
 
     # --- resuming -----------------------------------------------------------------------------------
 
+    def will_resume(self) -> bool:
+        """Collective: whether maybe_resume will load a checkpoint (or refuse for want of a valid one)
+        rather than start fresh, so that the caller can skip filling weights the checkpoint replaces."""
+        if not self.enabled or self.cfg.resume == "none":
+            return False
+        if self.cfg.resume != "auto":
+            return True
+        return bool(self._group.broadcast(bool(self._candidates()) if self.rank == 0 else None))
+
     def maybe_resume(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                      extra: dict[str, Any]) -> int:
         """Load the checkpoint chosen by ``cfg.resume`` in place; returns its step (0: start fresh)."""
