@@ -91,10 +91,11 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     m, e = cfg.model, DTYPE_BYTES[cfg.parallel.param_dtype]
     tokens = micro_batch_size * cfg.data.seq_len
     h, kv, f = m.dim, m.kv_heads * m.head_size, m.ffn_dim
+    q = m.n_heads * m.head_size  # = h unless head_dim is explicit (Qwen3: 64 x 128 over hidden 5120)
     # Saved for backward, per token (RMSNorm and rotary embeddings compute in fp32):
     rmsnorm = 4 * h + 2 * e * h  # fp32 input, normalised copy, output
-    attention = (rmsnorm + 4 * (h + kv) + e * (h + kv)  # q, k before (fp32) and after rotation
-                 + e * kv + e * h + 4 * m.n_heads)  # v; attention output and its log-sum-exp
+    attention = (rmsnorm + 4 * (q + kv) + e * (q + kv)  # q, k before (fp32) and after rotation
+                 + e * kv + e * q + 4 * m.n_heads)  # v; attention output and its log-sum-exp
     feed_forward = rmsnorm + e * 4 * f  # w1 and w3 outputs, silu, their product
     scores = 0 if flash_attention else 4 * m.n_heads * cfg.data.seq_len  # the probabilities
     per_block = tokens * (attention + feed_forward + scores)

@@ -1,12 +1,14 @@
-"""The training loop: build, shard, materialise, resume, then step until done.
+"""The training loop: check what can be checked before any process group (prepare), build, shard,
+fill (Hugging Face weights, a random initialisation, or nothing when a checkpoint is about to be
+loaded), resume, then step until done, evaluate every eval.interval steps, export at the end.
 
 Each optimizer step runs `gradient_accumulation` micro-batches; sharded strategies reduce-scatter
 every micro-batch (gradients stay sharded), HYBRID_SHARD and NO_SHARD defer the all-reduce across
-replicas to the last one (see parallelize.set_gradient_sync). The loss is averaged over micro-batches
-and ranks, the gradient norm is the global one (clipped). Nothing synchronises the device per step:
-metrics are gathered at the log interval (trainer/metrics.py), communication is profiled on sampled
-steps (trainer/commtime.py). SIGUSR1/SIGTERM stop the run at a step boundary agreed by all ranks, after
-a blocking, verified checkpoint (trainer/preemption.py).
+replicas to the last one (see parallelize.set_gradient_sync). The loss is the mean over every counted
+target of every micro-batch and rank, the gradient norm is the global one (clipped). Nothing
+synchronises the device per step: metrics are gathered at the log interval (trainer/metrics.py),
+communication is profiled on sampled steps (trainer/commtime.py). SIGUSR1/SIGTERM stop the run at a
+step boundary agreed by all ranks, after a blocking, verified checkpoint (trainer/preemption.py).
 """
 
 from __future__ import annotations
