@@ -72,14 +72,18 @@ FLAG_KEYS = {"steps": "training.steps", "seed": "training.seed", "checkpoint_dir
              "resume": "checkpoint.resume"}
 
 
+def _overrides(parser: argparse.ArgumentParser, example: str) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help=f"override a config key (repeatable), e.g. {example}")
+
+
 def build_eval_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-train eval", allow_abbrev=False,
         description="Mean next-token NLL of a model over documents, each scored on its own (alone or under "
                     "torchrun).")
     parser.add_argument("--config", required=True, help="YAML file or shipped config name (e.g. finetune)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="e.g. --set model.hf_dir=DIR --set data.source=jsonl --set data.path=FILE")
+    _overrides(parser, "--set model.hf_dir=DIR --set data.source=jsonl --set data.path=FILE")
     parser.add_argument("--json", action="store_true",
                         help='print one JSON object {"loss": ..., "tokens": ...}')
     return parser
@@ -92,8 +96,7 @@ def build_export_parser() -> argparse.ArgumentParser:
                     "LoRA runs), alone or under torchrun.")
     parser.add_argument("--checkpoint", required=True, help="a checkpoint directory (step_NNNNNNNN)")
     parser.add_argument("--out", required=True, help="the directory to write (replaced when complete)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                        help="override the checkpoint's trainer config, e.g. parallel.lora.export=merged")
+    _overrides(parser, "--set parallel.lora.export=merged (the checkpoint's trainer config)")
     return parser
 
 

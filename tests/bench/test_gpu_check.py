@@ -4,13 +4,14 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-STEPS = ["bf16", "compile", "fp16", "resume", "throughput", "collectives"]
+STEPS = ["bf16", "compile", "fp16", "resume", "throughput", "collectives", "hf_llama1b", "torchtitan_llama1b"]
 
 
 def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
@@ -32,6 +33,7 @@ def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProc
     (["--dry-run"], {"GPU_CHECK_MICRO_BATCH": "0"}, "GPU_CHECK_MICRO_BATCH='0' must be a positive"),
     (["--dry-run"], {"GPU_CHECK_SET": "optim.fused=true compile"},
      "GPU_CHECK_SET: 'compile' is not KEY=VALUE"),
+    (["--dry-run"], {"GPU_CHECK_LLAMA1B_COMPILE": "yes"}, "GPU_CHECK_LLAMA1B_COMPILE='yes' must be 0"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(args, env, message):
     result = run(*args, **env)
@@ -63,7 +65,7 @@ def test_plan_selects_the_compile_step_alone(tmp_path):
     compile_lines = [line for line in result.stdout.splitlines() if "-m  trainer" in line.replace("'", "")]
     assert len(compile_lines) == 1
     assert "parallel.compile=true" in compile_lines[0] and "distributed.device=cpu" in compile_lines[0]
-    for other in ("bf16", "fp16", "resume", "throughput", "collectives"):
+    for other in set(STEPS) - {"compile"}:
         assert f"{other}: not selected" in result.stdout
     assert not (tmp_path / "o").exists()  # a plan runs and writes nothing
 
@@ -72,8 +74,11 @@ def test_extra_settings_reach_every_trainer_command(tmp_path):
     result = run("--plan", "--dry-run", "--out", str(tmp_path / "o"), GPU_CHECK_SET="optim.fused=true")
     assert result.returncode == 0, result.stderr
     trainer_lines = [line for line in result.stdout.splitlines() if "-m  trainer " in line]
-    assert len(trainer_lines) == 6  # bf16, compile, fp16 and the resume step's three runs
-    assert all("--set  optim.fused=true" in line for line in trainer_lines)
+    # bf16, compile, fp16, the resume step's three runs, and hf_llama1b's run and the one-step run that
+    # makes its model directory: that one measures nothing and keeps the plain settings.
+    assert len(trainer_lines) == 8
+    measured = [line for line in trainer_lines if "checkpoint.hf_export_dir" not in line]
+    assert len(measured) == 7 and all("--set  optim.fused=true" in line for line in measured)
 
 
 def test_gpu_plan_uses_the_1b_preset_in_bf16():
@@ -82,6 +87,27 @@ def test_gpu_plan_uses_the_1b_preset_in_bf16():
     for part in ("--config  gpt-1b", "distributed.device=cuda", "parallel.param_dtype=bf16",
                  "parallel.reduce_dtype=fp32", "training.global_batch_size=8", "--steps  50"):
         assert part in line
+
+
+def test_gpu_plan_runs_both_llama1b_steps_on_the_same_shape_batch_and_sequence():
+    result = run("--plan", "--only", "hf_llama1b,torchtitan_llama1b", GPU_CHECK_MICRO_BATCH="16")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    make, ours = (line for line in lines if "-m  trainer " in line)
+    check, titan = (line for line in lines if "titan_check.py" in line or "torchtitan.train" in line)
+    assert "model.hf_config=llama3.2-1b" in make and "checkpoint.hf_export_dir=" in make
+    hf_dir = make.split("checkpoint.hf_export_dir=")[1].split()[0]
+    for part in ("--config  finetune", f"model.hf_dir={hf_dir}", "data.source=synthetic", "data.seq_len=2048",
+                 "training.global_batch_size=16", "parallel.param_dtype=bf16", "parallel.compile=false",
+                 "parallel.activation_checkpointing=false", "--steps  30"):
+        assert part in ours
+    for line in (check, titan):
+        for part in ("--training.steps  30", "--training.local_batch_size  16", "--training.seq_len  2048"):
+            assert part in line
+        assert "--compile.enable" not in line
+    assert "--module  titan_llama1b  --config  llama3_2_1b" in titan and "--nproc-per-node=1" in titan
+    compiled = run("--plan", "--only", "hf_llama1b,torchtitan_llama1b", GPU_CHECK_LLAMA1B_COMPILE="1").stdout
+    assert "parallel.compile=true" in compiled and compiled.count("--compile.enable") == 2
 
 
 @pytest.mark.skipif(bool(__import__("torch").version.cuda), reason="needs a CPU build of torch")
@@ -109,16 +135,67 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     status = {name: s["status"] for name, s in summary["steps"].items()}
-    assert status == {**dict.fromkeys(STEPS, "pass"), "compile": "skipped"}
+    assert status == {**dict.fromkeys(STEPS, "pass"), "compile": "skipped", "torchtitan_llama1b": "skipped"}
     assert summary["steps"]["compile"]["reason"] == "not selected (--only/--skip)"
+    # torchtitan trains on CUDA only: on CPU it is skipped, saying why (no wheel, or options checked only).
+    assert summary["steps"]["torchtitan_llama1b"]["reason"]
+    hf = summary["steps"]["hf_llama1b"]
+    assert hf["tensors_loaded"] > 0 and hf["median_tokens_per_s"] > 0 and hf["model_dir_made"]
+    assert summary["llama1b_ours_over_torchtitan"] is None
     assert summary["steps"]["resume"]["bitwise_equal"] is True  # CPU: resume is bitwise exact
     assert summary["steps"]["resume"]["rng"]["cpu_restored"] is True
     assert summary["steps"]["collectives"]["backend"] == "gloo"
     assert summary["steps"]["bf16"]["median_tokens_per_s"] > 0
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
-    # Checkpoints are removed after the resume step; logs and metrics stay.
+    # Checkpoints are removed after the resume step; logs and metrics stay; the model directory stays out
+    # of the logs.
     assert not list((tmp_path / "work" / "resume").glob("ckpt*"))
     assert (tmp_path / "work" / "bf16" / "metrics.jsonl").is_file()
+    with tarfile.open(out / "logs.tar.gz") as logs:
+        names = logs.getnames()
+    assert "./hf_llama1b/run.log" in names and not [n for n in names if n.startswith("./models")]
+
+
+def test_hf_llama1b_makes_its_model_directory_once(tmp_path):
+    work = tmp_path / "work"
+    first = run("--dry-run", "--only", "hf_llama1b", "--out", str(tmp_path / "a"), timeout=120,
+                GPU_CHECK_WORK=str(work))
+    assert first.returncode == 0, first.stdout + first.stderr
+    made = json.loads((tmp_path / "a" / "summary.json").read_text())["steps"]["hf_llama1b"]
+    assert made["status"] == "pass" and made["model_dir_made"] and made["export_mb"] > 0
+    second = run("--dry-run", "--only", "hf_llama1b", "--out", str(tmp_path / "b"), timeout=120,
+                 GPU_CHECK_WORK=str(work))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"hf_llama1b: reusing {work}/models/tiny-llama3" in second.stderr
+    reused = json.loads((tmp_path / "b" / "summary.json").read_text())["steps"]["hf_llama1b"]
+    assert reused["status"] == "pass" and not reused["model_dir_made"]
+    assert reused["model_dir"] == str(work / "models" / "tiny-llama3") and reused["tensors_loaded"] == 20
+
+
+def test_torchtitan_wheels_that_do_not_install_skip_the_step_with_the_reason(tmp_path):
+    wheels = tmp_path / "wheels"
+    (wheels / "torchtitan").mkdir(parents=True)
+    (wheels / "torchtitan" / "torchtitan-0.3.0-py3-none-any.whl").write_text("not a wheel")
+    out = tmp_path / "out"
+    result = run("--dry-run", "--only", "torchtitan_llama1b", "--out", str(out), "--wheels", str(wheels),
+                 GPU_CHECK_SITE=str(tmp_path / "site"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    step = json.loads((out / "summary.json").read_text())["steps"]["torchtitan_llama1b"]
+    assert step["status"] == "skipped"
+    assert step["reason"].startswith(f"installing the 1 wheel(s) in {wheels}/torchtitan failed")
+    log = (out / "steps" / "torchtitan_llama1b" / "install.log").read_text()
+    assert "torchtitan-0.3.0-py3-none-any.whl" in log  # pip was given the carried wheel, offline
+
+
+def test_torchtitan_missing_skips_the_step_and_names_the_fix(tmp_path):
+    out = tmp_path / "out"
+    result = run("--dry-run", "--only", "torchtitan_llama1b", "--out", str(out), "--wheels", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    step = json.loads((out / "summary.json").read_text())["steps"]["torchtitan_llama1b"]
+    assert step["status"] == "skipped"
+    assert step["reason"] == (f"torchtitan is not installed and no wheels are in {tmp_path}/torchtitan "
+                              "(bench/gpu_check.sh --fetch-wheels DIR puts them in DIR/torchtitan)")
+    assert step["torch_version"] and step["torchtitan_version"] is None
 
 
 def _python_without_pydantic(tmp_path: Path) -> Path:

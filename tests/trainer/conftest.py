@@ -22,3 +22,27 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     if proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
+
+
+@pytest.fixture
+def moto_s3(monkeypatch):
+    """An S3 stand-in on loopback (moto's server) for tests whose subprocesses use S3: the AWS_*
+    variables pointing at it are set in this process's environment (subprocesses inherit them) and
+    returned."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    for name, value in aws.items():
+        monkeypatch.setenv(name, value)
+    try:
+        yield aws
+    finally:
+        server.stop()

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
-from tests.trainer.test_checkpoint_worker import free_port, losses, reference_run, run_job, worker_env
+from tests.trainer.test_checkpoint_worker import losses, reference_run, run_job, worker_env
 from trainer.checkpoint import S3Location, committed_checkpoints, read_manifest
 
 pytestmark = pytest.mark.slow
@@ -50,30 +49,19 @@ def test_resume_on_fewer_ranks_reshards(tmp_path: Path, reference_dir: Path,
 
 
 def test_corrupt_copies_are_skipped_down_to_the_s3_mirror(tmp_path: Path, reference_dir: Path,
-                                                          reference: dict[int, float],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    server.start()
-    try:
-        aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}",
-               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
-        for name, value in aws.items():
-            monkeypatch.setenv(name, value)
-        boto3.client("s3").create_bucket(Bucket="ckpts")
-        # The reference run's step-5 checkpoint: intact in S3, damaged in both file-system copies.
-        step5 = reference_dir / "ckpt" / "step_00000005"
-        S3Location("s3://ckpts/job").upload(step5, read_manifest(step5)[0])
-        for copy, damaged in (("ckpt", "__1_0.distcp"), ("mirror", ".metadata")):
-            shutil.copytree(step5, tmp_path / copy / step5.name)
-            flip_byte(tmp_path / copy / step5.name / damaged)
-        checkpoint = {"dir": str(tmp_path / "ckpt"), "interval": 3, "mirror_dir": str(tmp_path / "mirror"),
-                      "mirror_s3": "s3://ckpts/job", "keep_last": 2}
-        metrics = tmp_path / "metrics.jsonl"
-        log = run_job(2, steps=10, metrics=metrics, checkpoint=checkpoint, env=worker_env(**aws))
-        s3_names = S3Location("s3://ckpts/job").checkpoints()
-    finally:
-        server.stop()
+                                                          reference: dict[int, float], moto_s3) -> None:
+    boto3.client("s3").create_bucket(Bucket="ckpts")
+    # The reference run's step-5 checkpoint: intact in S3, damaged in both file-system copies.
+    step5 = reference_dir / "ckpt" / "step_00000005"
+    S3Location("s3://ckpts/job").upload(step5, read_manifest(step5)[0])
+    for copy, damaged in (("ckpt", "__1_0.distcp"), ("mirror", ".metadata")):
+        shutil.copytree(step5, tmp_path / copy / step5.name)
+        flip_byte(tmp_path / copy / step5.name / damaged)
+    checkpoint = {"dir": str(tmp_path / "ckpt"), "interval": 3, "mirror_dir": str(tmp_path / "mirror"),
+                  "mirror_s3": "s3://ckpts/job", "keep_last": 2}
+    metrics = tmp_path / "metrics.jsonl"
+    log = run_job(2, steps=10, metrics=metrics, checkpoint=checkpoint, env=worker_env(**moto_s3))
+    s3_names = S3Location("s3://ckpts/job").checkpoints()
     assert f"NOT loading {tmp_path}/ckpt/step_00000005 (primary copy)" in log
     assert f"{tmp_path}/ckpt/step_00000005: __1_0.distcp: SHA256 mismatch" in log
     assert f"{tmp_path}/mirror/step_00000005: .metadata: SHA256 mismatch" in log

@@ -305,37 +305,22 @@ def test_tokenizer_larger_than_the_embedding(docs, tmp_path):
     assert "tokenizer.json" in _problem(e) and "256" in _problem(e)
 
 
-def test_model_and_data_from_s3_on_two_ranks(models, docs, tmp_path, monkeypatch):
+def test_model_and_data_from_s3_on_two_ranks(models, docs, tmp_path, moto_s3):
     """model.hf_dir and data.path as s3:// prefixes (a moto server on loopback): downloaded once into
     the cache before any process group, then the same loss as from the local copies."""
     import boto3
-    from moto.server import ThreadedMotoServer
-
-    from tests.trainer.test_checkpoint_worker import free_port
 
     path, texts = docs
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port())
-    server.start()
-    try:
-        aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{server._server.server_port}",
-               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
-        s3 = boto3.client("s3", endpoint_url=aws["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-        s3.create_bucket(Bucket="team")
-        for file in models["qwen2"].iterdir():
-            s3.upload_file(str(file), "team", f"models/qwen2/{file.name}")
-        s3.upload_file(str(path), "team", "data/docs.jsonl")
-        cache = tmp_path / "cache"
-        args = ["-m", "trainer", "eval", "--config", "finetune", "--set", "model.hf_dir=s3://team/models/qwen2",
-                "--set", "data.path=s3://team/data/docs.jsonl", "--set", f"model.cache_dir={cache}", *FP32,
-                "--json"]
-        for name, value in aws.items():
-            monkeypatch.setenv(name, value)  # torchrun's workers inherit them
-        proc = torchrun(2, args)
-    finally:
-        server.stop()
-    got = _json_line(proc)
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="team")
+    for file in models["qwen2"].iterdir():
+        s3.upload_file(str(file), "team", f"models/qwen2/{file.name}")
+    s3.upload_file(str(path), "team", "data/docs.jsonl")
+    cache = tmp_path / "cache"
+    got = _json_line(torchrun(2, [
+        "-m", "trainer", "eval", "--config", "finetune", "--set", "model.hf_dir=s3://team/models/qwen2",
+        "--set", "data.path=s3://team/data/docs.jsonl", "--set", f"model.cache_dir={cache}", *FP32,
+        "--json"]))
     want_loss, want_tokens = reference_eval(models["qwen2"], texts, SEQ_LEN)
     assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
     local = cache / "team" / "models" / "qwen2"
