@@ -187,16 +187,21 @@ def test_a_second_call_downloads_nothing(s3: Any, gets: list, tmp_path: Path,
             if p.name != ".lock"} == {name: t for name, t in times.items() if name != ".lock"}
 
 
-def test_a_killed_download_resumes_from_its_part_file(s3: Any, gets: list, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    directory = tmp_path / "cache/models/llama/3b"
+def kill_mid_download(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A model download killed 512 KiB into its first file: one file at a time, largest first, in 256
+    KiB chunks, so the kill lands inside BIG."""
     with monkeypatch.context() as patch:
-        # one file at a time, largest first, in 256 KiB chunks: the kill lands inside BIG
         patch.setattr(fetch, "WORKERS", 1)
         patch.setattr(fetch, "CHUNK", 256 * 1024)
         kill_after(patch, 512 * 1024, SimulatedKill())
         with pytest.raises(SimulatedKill):
             resolve_model_dir(URL, str(tmp_path / "cache"), log=Log())
+
+
+def test_a_killed_download_resumes_from_its_part_file(s3: Any, gets: list, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / "cache/models/llama/3b"
+    kill_mid_download(monkeypatch, tmp_path)
     assert (directory / f"{BIG}.part").stat().st_size == 512 * 1024
     assert not (directory / BIG).exists() and not (directory / ".complete.json").exists()
     # Until it sees the kill the one worker may go on with the next files: what it finished is kept,
@@ -215,12 +220,7 @@ def test_a_killed_download_resumes_from_its_part_file(s3: Any, gets: list, tmp_p
 
 def test_a_part_file_of_a_replaced_object_is_not_resumed(s3: Any, gets: list, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    with monkeypatch.context() as patch:
-        patch.setattr(fetch, "WORKERS", 1)
-        patch.setattr(fetch, "CHUNK", 256 * 1024)
-        kill_after(patch, 512 * 1024, SimulatedKill())
-        with pytest.raises(SimulatedKill):
-            resolve_model_dir(URL, str(tmp_path / "cache"), log=Log())
+    kill_mid_download(monkeypatch, tmp_path)
     # a new upload of the same size, as a re-trained model of the same shape is
     replaced = {**MODEL, BIG: random.Random(4).randbytes(len(MODEL[BIG]))}
     put(s3, {BIG: replaced[BIG]})
