@@ -64,6 +64,11 @@ class CheckContext:
         return nproc_per_node(self.state, self.spec)
 
     @property
+    def world_size(self) -> int:
+        """Ranks of a run on every node of the context."""
+        return len(self.ranks) * self.nproc
+
+    @property
     def on_gpu(self) -> bool:
         return self.spec.instance.gpus > 0 and self.state.read().target != "local"
 

@@ -1,8 +1,11 @@
 """`fsdpctl scale-test`: strong- and weak-scaling runs of the deployed trainer over 1..N nodes.
 
 Strong scaling keeps the global batch fixed (more nodes, less work each); weak scaling keeps the batch
-per rank fixed (more nodes, more work). Both report throughput in tokens/s over all ranks and the
-scaling efficiency at k nodes, E(k) = throughput(k) / (k * throughput(1)): 1.0 is linear scaling.
+per rank fixed (more nodes, more work). The trainer refuses a global batch that does not split evenly
+over the ranks, so strong scaling's is a multiple of the least common multiple of every world size in
+the sweep (`strong_global_batch`); a rank's share above STRONG_MICRO_BATCH_MAX sequences runs as
+gradient accumulation. Both report throughput in tokens/s over all ranks and the scaling efficiency
+at k nodes, E(k) = throughput(k) / (k * throughput(1)): 1.0 is linear scaling.
 The throughput of a run is the mean over its steps after the first `WARMUP_STEPS` (start-up, lazy
 allocation). Results go to `scaling.json` and `scaling.png` in the run's directory under
 `$FSDPCTL_HOME/reports/<cluster>/`, which `fsdpctl down` leaves in place.
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpctl import remote
+from fsdpctl.checks.batch import batch_settings, set_args
 from fsdpctl.checks.context import CheckContext, CheckError, CheckResult, check_context
 from fsdpctl.checks.nodes import check_inventory
 from fsdpctl.checks.report import PLOTS_MISSING, plots_available
@@ -27,9 +31,14 @@ from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.state import ClusterState, resolve
 
 WARMUP_STEPS = 2
-# Sequences per rank per micro-batch in weak scaling, and per rank at the largest size in strong
-# scaling: small enough for CPU nodes, and the global batch divides evenly at every node count.
+# Sequences per rank per micro-batch in weak scaling, and the least per rank at the largest size in
+# strong scaling: small enough for CPU nodes.
 MICRO_BATCH = 2
+# The most sequences per rank per micro-batch in strong scaling. The LCM of the world sizes can be
+# large (1, 2, 4, ..., 128 and 255 nodes of 8 GPUs: 261,120 sequences, 32,640 per rank on one node,
+# 128 GiB per rank for the smoke model by `fsdp-train --estimate`); in micro-batches of at most 512
+# sequences (2 GiB) every run fits a GPU.
+STRONG_MICRO_BATCH_MAX = 512
 
 
 _log = stage("scale-test")
@@ -50,17 +59,31 @@ def efficiency(throughputs: dict[int, float]) -> dict[int, float]:
 
 
 def strong_global_batch(counts: list[int], nproc: int) -> int:
-    """A global batch every world size in the sweep divides, MICRO_BATCH per rank at the largest."""
+    """The smallest multiple of the LCM of the sweep's world sizes (so every one splits it) that gives
+    every rank at least MICRO_BATCH sequences at the largest."""
     lcm = math.lcm(*(k * nproc for k in counts))
     return lcm * max(1, math.ceil(MICRO_BATCH * max(counts) * nproc / lcm))
 
 
-def _run(ctx: CheckContext, mode: str, k: int, steps: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def strong_settings(global_batch: int, world_size: int) -> dict[str, int | None]:
+    """The trainer settings of a strong-scaling run of `global_batch` (a multiple of `world_size`):
+    each rank's share in the fewest equal micro-batches of at most STRONG_MICRO_BATCH_MAX sequences."""
+    share = global_batch // world_size
+    accumulation = next(a for a in range(1, share + 1)
+                        if share % a == 0 and share // a <= STRONG_MICRO_BATCH_MAX)
+    return batch_settings(world_size, micro_batch=share // accumulation, accumulation=accumulation)
+
+
+def weak_settings(world_size: int) -> dict[str, int | None]:
+    """The trainer settings of a weak-scaling run: MICRO_BATCH sequences per rank, one micro-batch."""
+    return batch_settings(world_size, micro_batch=MICRO_BATCH, accumulation=1)
+
+
+def _run(ctx: CheckContext, mode: str, k: int, steps: int, overrides: dict[str, int | None]
+         ) -> dict[str, Any]:
     metrics = f"{ctx.work_dir}/{mode}-{k}.jsonl"
     args = ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), "--resume", "none",
-            "--metrics-file", metrics, "--seed", "0"]
-    for key, value in overrides.items():
-        args += ["--set", f"{key}={value}"]
+            "--metrics-file", metrics, "--seed", "0", *set_args(overrides)]
     job = ctx.job(f"{mode}-{k}", args, ranks=ctx.ranks[:k])
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
@@ -122,12 +145,8 @@ def run_scaling(state: ClusterState, *, steps: int = 20) -> dict[str, Any]:
     result: dict[str, Any] = {"cluster": state.name, "nproc_per_node": ctx.nproc, "steps": steps,
                               "warmup_steps": WARMUP_STEPS, "node_counts": counts,
                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    modes = {
-        "strong": lambda k: {"training.global_batch_size": global_batch,
-                             "training.gradient_accumulation": 1},
-        "weak": lambda k: {"training.global_batch_size": MICRO_BATCH * k * ctx.nproc,
-                           "training.gradient_accumulation": 1},
-    }
+    modes = {"strong": lambda k: strong_settings(global_batch, k * ctx.nproc),
+             "weak": lambda k: weak_settings(k * ctx.nproc)}
     try:
         for mode, overrides in modes.items():
             runs = []

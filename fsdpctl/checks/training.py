@@ -10,6 +10,7 @@ from typing import Any
 
 from fsdpctl import remote
 from fsdpctl.checks import nccl_network
+from fsdpctl.checks.batch import batch_settings, set_args
 from fsdpctl.checks.context import CheckContext, CheckError, CheckResult
 from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_jsonl, step_lines
 from fsdpctl.console import stage
@@ -31,10 +32,13 @@ POLL_S = 0.25
 
 def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, interval: int,
                   metrics: str, resume: str) -> list[str]:
+    """The trainer's command line for a run of the spec's trainer config on every rank of `ctx`."""
     checkpointing = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-interval", str(interval)] \
         if checkpoint_dir else []
     return ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), *checkpointing,
             "--metrics-file", metrics, "--resume", resume, "--seed", "0",
+            # The config's own global batch splits over some world sizes only (batch.py).
+            *set_args(batch_settings(ctx.world_size)),
             # Per-rank metrics for Prometheus (the monitoring role's textfile directory), every step:
             # the monitoring check fits memory against the step (a gather per step is fine in a check).
             "--set", f"metrics.prometheus_dir={PROMETHEUS_TEXTFILE_DIR}", "--set", "metrics.log_interval=1"]
@@ -77,7 +81,7 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     lines = step_lines(rows)
     summary_event = next((r for r in rows if r.get("event") == "summary"), {})
     ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(lines)}
-    problems, facts = [], {"steps": len(lines), "world_size": len(ctx.ranks) * ctx.nproc}
+    problems, facts = [], {"steps": len(lines), "world_size": ctx.world_size}
     if ctx.on_gpu:  # EFA instances must train over aws-ofi-nccl on EFA, with GPUDirect RDMA
         network = nccl_network.parse_nccl_network(job.logs())
         facts["nccl_network"] = network.as_dict()
@@ -107,8 +111,8 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
     facts["grad_sync_share"] = share
     facts["tokens_per_s"] = sum(r["tokens_per_s"] for r in timed) / len(timed)
     if ctx.on_gpu and share is None:
-        problems.append("gradient-sync share not measured: the trainer config needs "
-                        "training.gradient_accumulation >= 2")
+        problems.append("gradient-sync share not measured: no step after the first was profiled (the "
+                        "trainer config's metrics.profile_steps is 0, or --steps is below 2)")
     elif ctx.on_gpu and share >= GRAD_SYNC_SHARE_BOUND:
         problems.append(f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})")
 

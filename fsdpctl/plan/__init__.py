@@ -44,7 +44,10 @@ def cmd_plan(args: Any) -> int:
         error(f"Running the Pulumi program for {args.spec} offline (Pulumi mocks; no AWS calls)...")
     plan = run_offline(spec, expiry_time(spec))
     cost = estimate_cost(plan, prices)
-    fit = memory_fit(spec, args.trainer_config or spec.trainer.config)
+    # The spec's trainer config runs only in the smoke test and scale-test, which set its batch from
+    # the world size; a config named here is checked as it is, as `fsdpctl train` would run it.
+    fit = memory_fit(spec, args.trainer_config or spec.trainer.config,
+                     smoke_test_batch=not args.trainer_config)
     if args.trainer_config and "skipped" in fit and "trainer is not installed" not in fit["skipped"]:
         raise UsageError(f"--trainer-config {args.trainer_config}: {fit['skipped']}")
     if args.json:

@@ -1,11 +1,12 @@
-"""The memory fit of the spec's trainer config on the planned cluster, for `fsdpctl plan`: the
-trainer's own estimator (`fsdp-train --estimate`, docs/trainer.md) on every GPU of every node."""
+"""The memory fit of a trainer config on the planned cluster, for `fsdpctl plan`: the trainer's own
+layout check and estimator (`fsdp-train --estimate`, docs/trainer.md) on every GPU of every node."""
 
 from __future__ import annotations
 
 import textwrap
 from typing import Any
 
+from fsdpctl.checks.batch import assignments, batch_settings
 from fsdpctl.plan.render import WIDTH
 from infra.spec import ClusterSpec
 
@@ -14,11 +15,13 @@ ESTIMATOR_GPUS = {"A100-SXM4-40GB": "a100-40gb", "A100-SXM4-80GB": "a100-80gb", 
                   "H200-SXM5-141GB": "h200"}
 
 
-def memory_fit(spec: ClusterSpec, config: str) -> dict[str, Any]:
+def memory_fit(spec: ClusterSpec, config: str, *, smoke_test_batch: bool) -> dict[str, Any]:
     """Per-rank memory of the trainer config on node_count x (GPUs per node) ranks of the spec's GPU,
-    and whether it fits; `{"skipped": why}` where it cannot be computed here."""
+    and whether it fits; with `smoke_test_batch`, with the batch the smoke test and scale-test set
+    (fsdpctl/checks/batch.py). `runs_on_spec` False (and the trainer's `layout_problems`) where the
+    trainer refuses the config on that many ranks; `{"skipped": why}` where it cannot be computed."""
     try:  # the operator's venv has torch with the trainer extra (the default install), not always
-        from trainer.config import load_config
+        from trainer.config import derive_layout, load_config
         from trainer.errors import ConfigError as TrainerConfigError
         from trainer.estimate import GIB, estimate
     except ImportError as e:
@@ -28,11 +31,17 @@ def memory_fit(spec: ClusterSpec, config: str) -> dict[str, Any]:
     ranks_per_node = spec.trainer.nproc_per_node or instance.gpus
     world_size = spec.node_count * ranks_per_node
     try:
-        result = estimate(load_config(config), world_size, gpu, ranks_per_node=ranks_per_node)
+        cfg = load_config(config, assignments(batch_settings(world_size)) if smoke_test_batch else [])
     except TrainerConfigError as e:
-        return {"skipped": f"trainer config {config!r} on {world_size} ranks: {e.problems[0]}"}
-    return {"config": config, "gpu": gpu, "world_size": world_size,
-            "per_rank_gib": round(result.total / GIB, 2),
+        return {"skipped": f"trainer config {config!r}: {e.problems[0]}"}
+    fit: dict[str, Any] = {"config": config, "smoke_test_batch": smoke_test_batch, "world_size": world_size,
+                           "nodes": spec.node_count, "ranks_per_node": ranks_per_node}
+    try:
+        derive_layout(cfg, world_size, min(ranks_per_node, world_size))
+    except TrainerConfigError as e:
+        return {**fit, "runs_on_spec": False, "layout_problems": [str(p) for p in e.problems]}
+    result = estimate(cfg, world_size, gpu, ranks_per_node=ranks_per_node)
+    return {**fit, "runs_on_spec": True, "gpu": gpu, "per_rank_gib": round(result.total / GIB, 2),
             "usable_gib": round((result.usable_bytes or 0) / GIB, 1),
             "fits": result.fits, "smallest_fitting_world_size": result.smallest_fitting_world_size}
 
@@ -44,8 +53,14 @@ def render_fit(fit: dict[str, Any]) -> str:
 def _fit_text(fit: dict[str, Any]) -> str:
     if "skipped" in fit:
         return f"Memory fit: not computed: {fit['skipped']}"
-    line = (f"Memory fit (fsdp-train --estimate): trainer config {fit['config']} on {fit['world_size']} x "
-            f"{fit['gpu']} needs {fit['per_rank_gib']:.1f} GiB per GPU of {fit['usable_gib']:.1f} usable: ")
+    config = f"trainer config {fit['config']}" + (", with the smoke test's batch," if fit["smoke_test_batch"]
+                                                  else "")
+    if not fit["runs_on_spec"]:
+        return (f"Warning: {config} cannot run on this cluster's {fit['world_size']} ranks ({fit['nodes']} "
+                f"nodes x {fit['ranks_per_node']}; the trainer refuses it at launch): "
+                f"{'; '.join(fit['layout_problems'])}. Memory fit: not computed.")
+    line = (f"Memory fit (fsdp-train --estimate): {config} on {fit['world_size']} x {fit['gpu']} needs "
+            f"{fit['per_rank_gib']:.1f} GiB per GPU of {fit['usable_gib']:.1f} usable: ")
     if fit["fits"]:
         return line + "fits"
     smallest = fit["smallest_fitting_world_size"]

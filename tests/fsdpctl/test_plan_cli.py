@@ -47,6 +47,10 @@ def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
     expected = demo_cost_per_hour(load_prices())
     assert f"Total: {expected:,.2f} USD per hour, {expected * 24:,.2f} USD per day" in out
     assert "prices as of 2025-06-10" in out
+    # The spec's trainer config runs only in the smoke test, with the batch that sets for 32 ranks.
+    assert re.search(r"Memory fit \(fsdp-train --estimate\): trainer config smoke, with the smoke test's "
+                     r"batch, on 32 x a100-40gb needs [\d.]+ GiB per GPU of 36\.0 usable: fits",
+                     " ".join(out.split()))
 
 
 def test_plan_json_is_the_graph_outputs_and_cost(capsys):
@@ -63,6 +67,9 @@ def test_plan_json_is_the_graph_outputs_and_cost(capsys):
     assert cost["per_day"] == pytest.approx(cost["per_hour"] * 24, abs=0.01)
     nodes = next(line for line in cost["lines"] if line["item"] == "p4d.24xlarge on-demand")
     assert nodes["quantity"] == 4 and nodes["unit_price"] == 21.96
+    fit = report["memory_fit"]
+    assert (fit["config"], fit["smoke_test_batch"], fit["world_size"], fit["runs_on_spec"], fit["fits"]) == (
+        "smoke", True, 32, True, True)
 
 
 def test_price_override_file_is_merged_over_the_built_in_table(tmp_path, capsys):
@@ -232,6 +239,21 @@ def test_plan_shows_the_trainer_configs_memory_fit_on_the_planned_gpus(capsys):
     fit = json.loads(capsys.readouterr().out)["memory_fit"]
     assert fit["config"] == "gpt-120b" and fit["world_size"] == 32 and fit["fits"] is False
     assert fit["per_rank_gib"] > fit["usable_gib"]
+
+
+def test_plan_warns_when_the_trainer_would_refuse_the_config_on_the_cluster(capsys):
+    """`fsdpctl train smoke` on 4 x 8 GPUs: its 16 sequences in 2 micro-batches do not split over 32
+    ranks. The plan still succeeds: the trainer's own problem and fix are the warning."""
+    problem = ("training.global_batch_size: does not split evenly: 16 / 2 accumulation steps / 32 ranks "
+               "(got 16). Fix: make it a multiple of 64")
+    assert main(["plan", DEMO, "--trainer-config", "smoke"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (f"Warning: trainer config smoke cannot run on this cluster's 32 ranks (4 nodes x 8; the trainer "
+            f"refuses it at launch): {problem}. Memory fit: not computed.") in out
+    assert main(["plan", DEMO, "--json", "--trainer-config", "smoke"]) == 0
+    fit = json.loads(capsys.readouterr().out)["memory_fit"]
+    assert (fit["smoke_test_batch"], fit["runs_on_spec"], fit["layout_problems"]) == (False, False, [problem])
+    assert "fits" not in fit
 
 
 def test_plan_refuses_an_unknown_trainer_config(capsys):
