@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu-check.md): throughput, MFU, compile, fp16, resume and collectives of the
-# trainer on the GPUs of this machine, within a time budget (10 minutes by default), each step under
+# trainer on the GPUs of this machine, and the Llama-3.2-1B shape loaded from a Hugging Face directory
+# beside torchtitan on the same shape, within a time budget (10 minutes by default), each step under
 # `timeout`, one step's failure never stopping the others. Run it from the repository root:
 #
 #   bench/gpu_check.sh [--out DIR] [--only STEPS] [--skip STEPS] [--dry-run] [--plan] ...
@@ -13,7 +14,7 @@
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-ALL_STEPS=(bf16 compile fp16 resume throughput collectives)
+ALL_STEPS=(bf16 compile fp16 resume throughput collectives hf_llama1b torchtitan_llama1b)
 declare -A STEP_INFO=(
   [bf16]="gpt-1b, bf16 parameters and fp32 reduction, one GPU: tokens/s, MFU, memory, step time"
   [compile]="the same with parallel.compile=true: compile time apart from the steady state"
@@ -21,9 +22,14 @@ declare -A STEP_INFO=(
   [resume]="save, then --resume auto: the resumed losses equal an uninterrupted run's; RNG restored"
   [throughput]="bench/trainer_throughput.py: FSDP2 vs DDP with one rank per GPU"
   [collectives]="trainer.collectives over NCCL (2+ GPUs): all-reduce bus bandwidth by size"
+  [hf_llama1b]="Llama-3.2-1B shape loaded from a Hugging Face directory (model.hf_dir), bf16: tokens/s, MFU"
+  [torchtitan_llama1b]="torchtitan 0.3.0 on the same shape, batch and sequence: tokens/s, MFU, the ratio"
 )
 # Seconds each step may take at most (the budget may leave less).
-declare -A STEP_TIMEOUT=([bf16]=120 [compile]=200 [fp16]=90 [resume]=150 [throughput]=150 [collectives]=90)
+# hf_llama1b includes writing the Hugging Face directory (2.5 GB) once; torchtitan_llama1b installing its
+# wheels and autotuning its FlexAttention kernels (torchtitan/models/common/attention.py: max_autotune).
+declare -A STEP_TIMEOUT=([bf16]=120 [compile]=200 [fp16]=90 [resume]=150 [throughput]=150 [collectives]=90
+                         [hf_llama1b]=240 [torchtitan_llama1b]=360)
 
 usage() {
   cat <<EOF
@@ -39,14 +45,15 @@ options:
   --plan             print each step's commands and exit without running anything
   --list             print the steps and what each measures, and exit
   --budget SECONDS   total time for all steps (default: \$GPU_CHECK_BUDGET_S, else 600)
-  --wheels DIR       wheels to install missing modules from, offline (default: \$GPU_CHECK_WHEELS, else .whl)
+  --wheels DIR       wheels to install missing modules from, offline (default: \$GPU_CHECK_WHEELS, else .whl);
+                     torchtitan and its modules from DIR/torchtitan
   --fetch-wheels DIR download those wheels here (needs the network; for a machine without one) and exit
   -h, --help         this help
 
 environment: GPU_CHECK_DEVICE=cuda|cpu, GPU_CHECK_WORK (step directories), GPU_CHECK_SITE (where missing
 modules are installed, default /tmp/gpu-check-site), GPU_CHECK_MICRO_BATCH (sequences per GPU, default 8),
 GPU_CHECK_PEAK_FLOPS (MFU peak for an unlisted GPU), GPU_CHECK_SET (extra trainer KEY=VALUE settings,
-space-separated), PYTHON (default python3).
+space-separated), GPU_CHECK_LLAMA1B_COMPILE=1 (compile both Llama-3.2-1B runs), PYTHON (default python3).
 EOF
 }
 
@@ -80,6 +87,11 @@ esac
 [[ $BUDGET =~ ^[0-9]+$ && $BUDGET -ge 60 ]] || die_usage "--budget '$BUDGET' must be a whole number of seconds >= 60"
 MICRO_BATCH=${GPU_CHECK_MICRO_BATCH:-8}
 [[ $MICRO_BATCH =~ ^[1-9][0-9]*$ ]] || die_usage "GPU_CHECK_MICRO_BATCH='$MICRO_BATCH' must be a positive whole number"
+case ${GPU_CHECK_LLAMA1B_COMPILE:-0} in
+  0) LLAMA_COMPILE=false ;;
+  1) LLAMA_COMPILE=true ;;
+  *) die_usage "GPU_CHECK_LLAMA1B_COMPILE='$GPU_CHECK_LLAMA1B_COMPILE' must be 0 (eager, default) or 1" ;;
+esac
 
 check_steps() {  # $1 option name, $2 comma list
   local name
@@ -105,43 +117,88 @@ SITE=${GPU_CHECK_SITE:-/tmp/gpu-check-site}
 # What the trainer needs beyond torch, numpy and PyYAML (the GPU machine has those; see
 # shared/notes/gpu-machine.md). Never torch: a pip install must not replace a CUDA build.
 HELPER_WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+# torchtitan_llama1b: torchtitan and what importing its training entry point (torchtitan/train.py) needs
+# beyond torch, numpy and triton (which comes with CUDA torch), as tested with torchtitan 0.3.0. Not
+# `datasets`: it is imported but unused on synthetic data, and with pyarrow and pandas (~70 MB) it would
+# not fit the 64 MiB carried to the GPU machine; bench/gpu_check/no_datasets stands in for it. These go
+# into DIR/torchtitan and are installed apart from the trainer's modules (only that step sees them).
+TITAN_WHEELS=(torchtitan==0.3.0 spmd-types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+              typing-extensions==4.16.0 torchdata==0.11.0 tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1
+              tokenizers==0.23.3)
 
 if [[ -n $FETCH ]]; then
-  mkdir -p "$FETCH" || { echo "error: cannot create --fetch-wheels directory $FETCH" >&2; exit 2; }
+  mkdir -p "$FETCH/torchtitan" || { echo "error: cannot create --fetch-wheels directory $FETCH" >&2; exit 2; }
   pyver=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")' 2>/dev/null)
   pyver=${GPU_CHECK_WHEEL_PYTHON:-${pyver:-3.12}}
+  download() {  # into $1: the wheels $2... for the target Python, never their dependencies
+    "$PY" -m pip download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$1" "${@:2}"
+  }
   echo "downloading ${HELPER_WHEELS[*]} for Python $pyver x86-64 into $FETCH"
-  exec "$PY" -m pip download --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$FETCH" "${HELPER_WHEELS[@]}"
+  download "$FETCH" "${HELPER_WHEELS[@]}" || exit 1
+  echo "downloading ${TITAN_WHEELS[*]} into $FETCH/torchtitan"
+  download "$FETCH/torchtitan" "${TITAN_WHEELS[@]}" || exit 1
+  du -sh "$FETCH"
+  exit 0
 fi
 
 # --- the steps' commands ---------------------------------------------------------------------------
 if [[ $DEVICE == cuda ]]; then
   CONFIG=gpt-1b BATCH=$MICRO_BATCH
-  N_THROUGHPUT=50 N_FP16=30 N_RESUME=20 K_RESUME=10
+  N_THROUGHPUT=50 N_FP16=30 N_RESUME=20 K_RESUME=10 N_LLAMA=30
   FP16_LR=(--set optim.lr=3e-4 --set optim.warmup_steps=5)
   # The resume step writes two checkpoints: two layers keep them small (about 3 GB) and quick.
   RESUME_MODEL=(--set model.n_layers=2)
+  LLAMA_SEQ=2048
 else
   CONFIG=tiny BATCH=${GPU_CHECK_MICRO_BATCH:-4}
-  N_THROUGHPUT=5 N_FP16=8 N_RESUME=6 K_RESUME=3
+  N_THROUGHPUT=5 N_FP16=8 N_RESUME=6 K_RESUME=3 N_LLAMA=5
   FP16_LR=()
   RESUME_MODEL=()
+  LLAMA_SEQ=64
 fi
 # One optimizer step = one micro-batch per rank: no accumulation, the whole batch on one GPU.
 # A metrics record per step (the summary's medians and warm-up excess are per step; the default log
 # interval averages 10 steps into one record).
-BASE=(--config "$CONFIG" --set "distributed.device=$DEVICE" --set "training.global_batch_size=$BATCH"
+SETS=(--set "distributed.device=$DEVICE" --set "training.global_batch_size=$BATCH"
       --set training.gradient_accumulation=1 --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32
       --set metrics.log_interval=1)
-[[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && BASE+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
+[[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && SETS+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
 # Extra trainer settings for every trainer step, e.g. GPU_CHECK_SET='optim.fused=true' to measure a
 # change against a run without it (space-separated KEY=VALUE).
 for setting in ${GPU_CHECK_SET:-}; do
   [[ $setting == *=* ]] || die_usage "GPU_CHECK_SET: '$setting' is not KEY=VALUE (e.g. GPU_CHECK_SET='optim.fused=true')"
-  BASE+=(--set "$setting")
+  SETS+=(--set "$setting")
 done
+BASE=(--config "$CONFIG" "${SETS[@]}")
+# finetune (trainer/configs/finetune.yaml) is the preset for Hugging Face models; synthetic tokens need no
+# tokenizer, and every activation is kept, as in torchtitan_llama1b (finetune checkpoints them).
+LLAMA_DATA=(--set data.source=synthetic --set "data.seq_len=$LLAMA_SEQ"
+            --set parallel.activation_checkpointing=false)
+llama_commands() {  # the hf_llama1b commands, for the current $WORK
+  if [[ $DEVICE == cuda ]]; then
+    LLAMA_ARCH=llama3.2-1b  # the bundled architecture, trainer/configs/hf/llama3.2-1b.json
+  else
+    LLAMA_ARCH=$WORK/models/tiny-llama3.json  # written by the step: a few hundred thousand parameters
+  fi
+  # The Hugging Face directory hf_llama1b trains from, made once per GPU_CHECK_WORK by the trainer itself
+  # (a one-step run of the architecture, exported with checkpoint.hf_export_dir): the GPU machine has no
+  # network to download one. Kept out of logs.tar.gz.
+  LLAMA_DIR=$WORK/models/$(basename "${LLAMA_ARCH%.json}")
+  LLAMA_MAKE=(--config finetune --set "model.hf_config=$LLAMA_ARCH" "${LLAMA_DATA[@]}"
+              --set "distributed.device=$DEVICE" --set training.global_batch_size=1
+              --set training.gradient_accumulation=1 --set "checkpoint.hf_export_dir=$LLAMA_DIR" --steps 1)
+  LLAMA=(--config finetune --set "model.hf_dir=$LLAMA_DIR" "${LLAMA_DATA[@]}" "${SETS[@]}"
+         --set "parallel.compile=$LLAMA_COMPILE" --steps "$N_LLAMA")
+}
+# torchtitan_llama1b: its options for bench/gpu_check/titan_llama1b.py's config (torchtitan/config/
+# configs.py TrainingConfig and CompileConfig; the trainer's bf16 parameters and fp32 reduction are
+# torchtitan's defaults, mixed_precision_param/_reduce). Always the Llama-3.2-1B shape at sequence 2048:
+# torchtitan trains on CUDA only, on CPU the step only checks these options.
+TITAN=(--training.steps "$N_LLAMA" --training.local_batch_size "$BATCH" --training.seq_len 2048)
+[[ $LLAMA_COMPILE == true ]] && TITAN+=(--compile.enable)
+TITAN_RUN=(-m torchtitan.train --module titan_llama1b --config llama3_2_1b)
 FLAT_LR=(--set optim.warmup_steps=0 --set optim.min_lr_ratio=1.0 --set optim.lr=3e-4)
 # The resume step's first half runs 2 steps past its checkpoint at step K_RESUME, so that async save is
 # staged while training goes on (on CUDA: the pinned copy on a side stream), and the second half
@@ -151,6 +208,7 @@ RESUME_FROM=step_$(printf '%08d' "$K_RESUME")
 
 OUT_DIR=${OUT_DIR%/}
 WORK=${GPU_CHECK_WORK:-$OUT_DIR/steps}
+llama_commands
 
 plan_line() { printf '  %q' "$@"; echo; }
 if [[ $PLAN == 1 ]]; then
@@ -177,6 +235,14 @@ if [[ $PLAN == 1 ]]; then
       throughput) plan_line "$PY" bench/trainer_throughput.py "(ranks: one per GPU; gpt-1b on CUDA, tiny on CPU)" ;;
       collectives) plan_line "$PY" -m torch.distributed.run --standalone "--nproc-per-node=(GPUs, 2+)" \
                      -m trainer.collectives --output "$WORK/collectives/result.json" ;;
+      hf_llama1b)
+        plan_line "$PY" -m trainer "${LLAMA_MAKE[@]}" "(once, unless $LLAMA_DIR exists)"
+        plan_line "$PY" -m trainer "${LLAMA[@]}" --metrics-file "$WORK/hf_llama1b/metrics.jsonl" ;;
+      torchtitan_llama1b)
+        plan_line "$PY" bench/gpu_check/titan_check.py --output "$WORK/torchtitan_llama1b/check.json" \
+          -- "${TITAN[@]}"
+        plan_line "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 "${TITAN_RUN[@]}" \
+          "${TITAN[@]}" --dump_folder "$WORK/torchtitan_llama1b/outputs" "(CUDA only)" ;;
     esac
   done
   exit 0
@@ -191,6 +257,7 @@ if ! mkdir -p "$OUT_DIR" "$WORK" 2>/dev/null || [[ ! -w $OUT_DIR || ! -w $WORK ]
   exit 2
 fi
 OUT_DIR=$(cd "$OUT_DIR" && pwd) WORK=$(cd "$WORK" && pwd)
+llama_commands
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -222,10 +289,14 @@ refuse() {  # why: the check cannot run here; every step is skipped with that re
   exit 3
 }
 
+pack_logs() {  # every step's arguments, logs and metrics; not the checkpoints nor the 2.5 GB model
+  tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" --exclude='ckpt*' --exclude='./models' .
+}
+
 summarize() {
   local rc=0
   "$PY" bench/gpu_summary.py --work "$WORK" --out "$OUT_DIR" || rc=$?
-  tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" --exclude='ckpt*' . 2>/dev/null || say "could not write logs.tar.gz"
+  pack_logs 2>/dev/null || say "could not write logs.tar.gz"
   say "summary: $OUT_DIR/summary.md, $OUT_DIR/summary.json; logs: $OUT_DIR/logs.tar.gz"
   return $rc
 }
@@ -327,7 +398,7 @@ run_step() {  # name
     "$s" "$rc" "$((SECONDS - began))" "$limit" "$timed_out" "$DEVICE" >"$STEP_DIR/step.json"
   say "$s: exit $rc in $((SECONDS - began))s$([[ $timed_out == true ]] && echo ' (timed out)')"
   # What has run so far, in case the whole command is cut off before the summary.
-  tar -czf "$OUT_DIR/logs.tar.gz" -C "$WORK" --exclude='ckpt*' . 2>/dev/null
+  pack_logs 2>/dev/null
 }
 
 trainer() { sub "$1" "$PY" -m trainer "${@:2}"; }
@@ -381,6 +452,69 @@ step_collectives() {
   fi
   sub run "$PY" -m torch.distributed.run --standalone "--nproc-per-node=$nproc" -m trainer.collectives \
     "${args[@]}" --output "$STEP_DIR/result.json"
+}
+
+write_tiny_llama() {  # $1: a Llama 3.2-shaped config.json small enough for the CPU dry run
+  cat >"$1" <<'EOF'
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 64,
+ "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+ "intermediate_size": 256, "max_position_embeddings": 256, "rms_norm_eps": 1e-05, "hidden_act": "silu",
+ "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+ "original_max_position_embeddings": 8192, "rope_type": "llama3"}, "attention_bias": false, "mlp_bias": false,
+ "tie_word_embeddings": true, "torch_dtype": "bfloat16"}
+EOF
+}
+
+step_hf_llama1b() {
+  if [[ -f $LLAMA_DIR/config.json ]]; then
+    say "hf_llama1b: reusing $LLAMA_DIR"
+  else
+    [[ $DEVICE == cpu ]] && { mkdir -p "$WORK/models"; write_tiny_llama "$LLAMA_ARCH"; }
+    # A complete export is renamed into place (trainer/hf/weights.py): no half-written directory remains.
+    trainer make-model "${LLAMA_MAKE[@]}" || return $?
+  fi
+  # The architecture the run loaded, for the summary's FLOPs (the model directory is not in the logs).
+  cp "$LLAMA_DIR/config.json" "$STEP_DIR/model-config.json"
+  trainer run "${LLAMA[@]}" --metrics-file "$STEP_DIR/metrics.jsonl"
+}
+
+step_torchtitan_llama1b() {
+  local titan_wheels=$WHEELS/torchtitan titan_site=$SITE-torchtitan wheels=() reason path
+  mapfile -t wheels < <(find "$titan_wheels" -maxdepth 1 -type f -name '*.whl' 2>/dev/null | sort)
+  if [[ ${#wheels[@]} -gt 0 ]]; then
+    rm -rf "$titan_site"
+    if ! sub install timeout 180 "$PY" -m pip install -q --no-deps --no-compile --disable-pip-version-check \
+        --no-index --target "$titan_site" "${wheels[@]}"; then
+      reason="installing the ${#wheels[@]} wheel(s) in $titan_wheels failed: $(tail -n 1 "$STEP_DIR/install.log")"
+      mark_skipped torchtitan_llama1b "$reason"
+      say "torchtitan_llama1b: skipped: $reason"
+      return "$SKIPPED"
+    fi
+  fi
+  # Its own site first, then bench/gpu_check (titan_llama1b), then the trainer's path.
+  path=$titan_site:$REPO/bench/gpu_check
+  if ! PYTHONPATH=$path:$PYTHONPATH "$PY" -c 'import datasets' 2>/dev/null; then
+    path+=:$REPO/bench/gpu_check/no_datasets
+  fi
+  PYTHONPATH=$path:$PYTHONPATH sub check "$PY" bench/gpu_check/titan_check.py \
+    --output "$STEP_DIR/check.json" -- "${TITAN[@]}" --dump_folder "$STEP_DIR/outputs" || return $?
+  reason=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("reason", ""))' \
+    "$STEP_DIR/check.json")
+  if [[ -n $reason ]]; then
+    [[ ${#wheels[@]} -eq 0 ]] && reason+=" and no wheels are in $titan_wheels (bench/gpu_check.sh \
+--fetch-wheels DIR puts them in DIR/torchtitan)"
+    mark_skipped torchtitan_llama1b "$reason"
+    say "torchtitan_llama1b: skipped: $reason"
+    return "$SKIPPED"
+  fi
+  if [[ $DEVICE == cpu ]]; then
+    # torchtitan/tools/utils.py: device_type falls back to "cuda" without an accelerator.
+    mark_skipped torchtitan_llama1b "CPU dry run: torchtitan trains on CUDA only; it imported and parsed the \
+step's options (check.json)"
+    return "$SKIPPED"
+  fi
+  PYTHONPATH=$path:$PYTHONPATH sub run "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 \
+    "${TITAN_RUN[@]}" "${TITAN[@]}" --dump_folder "$STEP_DIR/outputs"
 }
 
 # --- main ------------------------------------------------------------------------------------------

@@ -8,7 +8,10 @@ directory per step holding step.json ({"rc", "seconds", "timed_out"} or {"skippe
 each command NAME.args (its argv, one per line), NAME.log and NAME.rc, plus the trainer's metrics JSONL
 and the benchmarks' result JSON. Figures come from the metrics files: medians over the steady steps
 (the first WARMUP_STEPS are left out: allocation, lazy initialisation, compilation), MFU by the PaLM
-formula (trainer.config's flops_per_token) against the device's dense bf16 peak.
+formula (trainer.config's flops_per_token) against the device's dense bf16 peak. torchtitan's figures
+come from its log lines (`step: N  loss: ...  tps: ...  mfu: ...%`), its MFU recomputed the same way
+for the shape its config resolved to (bench/gpu_check/titan_check.py), so the two trainers' Llama-3.2-1B
+figures compare one to one.
 
 Exit status: 0 when no step failed (passed or skipped), 1 when one failed, 2 when --work is unusable.
 """
@@ -24,11 +27,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("bf16", "compile", "fp16", "resume", "throughput", "collectives")
+STEPS = ("bf16", "compile", "fp16", "resume", "throughput", "collectives", "hf_llama1b", "torchtitan_llama1b")
 WARMUP_STEPS = 3
 MFU_TARGET = 0.40  # gpt-1b, seq 2048, compile, one H200
 THROUGHPUT_RATIO_TARGET = 0.9  # FSDP2 / DDP tokens/s (bench/trainer_throughput.py)
 RESUME_RTOL = 1e-3  # relative loss difference a resume may show on a GPU (non-deterministic kernels)
+LLAMA_RATIO_TARGET = 1.0  # hf_llama1b / torchtitan_llama1b tokens/s: the goal is ours >= torchtitan
 # Metric keys, newest name first: the trainer's metrics may be renamed; the first present is used.
 KEYS = {"step_time": ("step_time_s",), "tokens": ("tokens_per_s",),
         "mem": ("max_mem_bytes", "peak_mem_bytes"), "loss": ("loss",), "skipped": ("skipped",),
@@ -97,9 +101,11 @@ def error_line(log: Path) -> str | None:
     return lines[-1][:300] if lines else None
 
 
-def run_config(argv: list[str]) -> dict:
+def run_config(argv: list[str], architecture: Path | None = None) -> dict:
     """Model figures of a trainer command (its --config, --set and flags) through the trainer's own
-    config: FLOPs per token, tokens per step, sequence length. {} when the trainer cannot load."""
+    config: FLOPs per token, tokens per step, sequence length. {} when the trainer cannot load. With
+    `architecture` (a config.json), a model.hf_dir setting is read as that architecture instead: the
+    figures need only the shape, and the model directory is not kept with the logs."""
     if "-m" not in argv or "trainer" not in argv:
         return {}
     args = argv[argv.index("trainer") + 1:]
@@ -107,6 +113,8 @@ def run_config(argv: list[str]) -> dict:
     for flag, nxt in zip(args, [*args[1:], None], strict=True):
         if flag == "--config":
             config = nxt
+        elif flag == "--set" and nxt and architecture and nxt.startswith("model.hf_dir="):
+            overrides.append(f"model.hf_config={architecture}")
         elif flag == "--set" and nxt:
             overrides.append(nxt)
         elif flag == "--steps" and nxt:
@@ -125,6 +133,13 @@ def run_config(argv: list[str]) -> dict:
             "flops_per_token": cfg.model.flops_per_token(cfg.data.seq_len), "params": cfg.model.num_params,
             "compile": cfg.parallel.compile, "param_dtype": cfg.parallel.param_dtype,
             "peak_flops_override": cfg.metrics.peak_flops}
+
+
+def step_config(step_dir: Path) -> dict:
+    """run_config of a step's `run` command; a run that loaded model.hf_dir is read with the config.json
+    the step kept beside its logs (model-config.json)."""
+    architecture = step_dir / "model-config.json"
+    return run_config(read_args(step_dir / "run.args"), architecture if architecture.is_file() else None)
 
 
 def device_peak(env: dict, override: float | None) -> tuple[float | None, str]:
@@ -216,7 +231,7 @@ def fail(out: dict, why: str) -> None:
 
 
 def analyse_training(step_dir: Path, out: dict, peak: float | None) -> tuple[dict, list[dict]]:
-    cfg = run_config(read_args(step_dir / "run.args"))
+    cfg = step_config(step_dir)
     runs = read_metrics(step_dir / "metrics.jsonl")
     records = runs[-1] if runs else []
     world = records[-1].get("world_size", 1) if records else 1
@@ -360,8 +375,123 @@ def analyse_collectives(step_dir: Path, out: dict, _peak: float | None, _ctx: di
                         for r in result.get("results", [])])
 
 
+def analyse_hf_llama1b(step_dir: Path, out: dict, peak: float | None, ctx: dict) -> None:
+    """The bf16 step's figures for the Llama-3.2-1B shape, and proof that the weights came from the Hugging
+    Face directory (trainer/hf/weights.py logs every load)."""
+    analyse_bf16(step_dir, out, peak, ctx)
+    made = step_dir / "make-model.log"
+    export = re.search(r"export: wrote (\S+) \(.*?, ([\d.]+) MB\) in ([\d.]+)s",
+                       made.read_text(errors="replace")) if made.is_file() else None
+    out["model_dir_made"] = made.is_file()  # False: made by an earlier run in the same GPU_CHECK_WORK
+    if export:
+        out.update(model_dir=export[1], export_mb=float(export[2]), export_s=float(export[3]))
+    if out["status"] == "skipped":
+        return
+    log = step_dir / "run.log"
+    loaded = re.search(r"model: loaded (\d+) tensors from (\S+) in ([\d.]+)s",
+                       log.read_text(errors="replace")) if log.is_file() else None
+    if loaded:
+        out.update(tensors_loaded=int(loaded[1]), model_dir=loaded[2], load_s=float(loaded[3]))
+    else:
+        fail(out, "run.log does not say the weights were loaded ('model: loaded N tensors from DIR'): "
+                  "the run did not go through model.hf_dir")
+
+
+# torchtitan/components/metrics.py, MetricsProcessor.log: one line per logged step (log_freq 1 here).
+# `memory` is the peak reserved memory, `tps` tokens per second per device, `mfu` against torchtitan's
+# own peak table (N/A when quantised).
+TITAN_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*(\S+)\s+grad_norm:\s*\S+\s+memory:\s*(-?[\d.]+)GiB.*?"
+                        r"tps:\s*([\d,]+)\s+tflops:\s*[\d.,]+\s+mfu:\s*(N/A|-?[\d.]+)%?")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def torchtitan_records(log: Path) -> list[dict]:
+    """torchtitan's step lines as records with the trainer's metric names (tokens_per_s, mfu as a
+    fraction), plus its peak reserved memory."""
+    if not log.is_file():
+        return []
+    records = []
+    for line in log.read_text(errors="replace").splitlines():
+        found = TITAN_STEP.search(ANSI.sub("", line))
+        if found:
+            tps = float(found[4].replace(",", ""))
+            records.append({"step": int(found[1]), "loss": float(found[2]), "tokens_per_s": tps,
+                            "reserved_gib": float(found[3]),
+                            "mfu": None if found[5] == "N/A" else float(found[5]) / 100})
+    return records
+
+
+def titan_figures(config: dict) -> dict:
+    """FLOPs per token and parameters of the shape torchtitan resolved, by the trainer's own formula
+    (trainer.config, the same PaLM count torchtitan uses: torchtitan/models/utils.py)."""
+    sys.path.insert(0, str(REPO))
+    from trainer.config import ModelConfig
+
+    seq = config["seq_len"]
+    model = ModelConfig(vocab_size=config["vocab_size"], dim=config["dim"], n_layers=config["n_layers"],
+                        n_heads=config["n_heads"], n_kv_heads=config["n_kv_heads"], ffn_dim=config["ffn_dim"],
+                        tie_embeddings=config["tied_embeddings"], max_seq_len=seq)
+    return {"seq_len": seq, "steps": config["steps"], "tokens_per_step": config["local_batch_size"] * seq,
+            "flops_per_token": model.flops_per_token(seq), "params": model.num_params}
+
+
+def analyse_torchtitan_llama1b(step_dir: Path, out: dict, peak: float | None, _ctx: dict) -> None:
+    check = read_json(step_dir / "check.json") or {}
+    out.update({k: check.get(k) for k in ("torch_version", "torchtitan_version", "datasets")},
+               config=check.get("config"))
+    if out["status"] == "skipped":
+        return
+    if not check.get("config"):
+        fail(out, "no resolved torchtitan config (check.json from bench/gpu_check/titan_check.py)")
+        return
+    figures = titan_figures(check["config"])
+    out["config"] = {**check["config"], **figures}
+    titan = torchtitan_records(step_dir / "run.log")
+    if not titan:
+        fail(out, "no torchtitan step lines ('step: N  loss: ...  tps: ...') in run.log")
+        return
+    # Step time from tokens/s, so the medians and the warm-up excess follow the trainer's definitions.
+    per_step = figures["tokens_per_step"]
+    records = [{**r, "step_time_s": per_step / r["tokens_per_s"] if r["tokens_per_s"] else None}
+               for r in titan]
+    out.update(throughput_figures(records, figures, peak, 1))
+    reported = [r["mfu"] for r in records[out["warmup_steps_excluded"]:]]
+    out["mfu_torchtitan_reported"] = median(reported)
+    out["peak_reserved_gib"] = max(r["reserved_gib"] for r in records)
+    peak_line = re.search(r"Peak FLOPS used for computing MFU: ([\d.e+]+)",
+                          (step_dir / "run.log").read_text(errors="replace"))
+    out["peak_flops_torchtitan"] = float(peak_line[1]) if peak_line else None
+    if len(records) != figures["steps"]:
+        fail(out, f"{len(records)} of {figures['steps']} steps logged")
+    bad = [r["step"] for r in records if not finite(r["loss"])]
+    if bad:
+        fail(out, f"non-finite loss at steps {bad[:5]}")
+
+
 ANALYSERS = {"bf16": analyse_bf16, "compile": analyse_compile, "fp16": analyse_fp16,
-             "resume": analyse_resume, "throughput": analyse_throughput, "collectives": analyse_collectives}
+             "resume": analyse_resume, "throughput": analyse_throughput, "collectives": analyse_collectives,
+             "hf_llama1b": analyse_hf_llama1b, "torchtitan_llama1b": analyse_torchtitan_llama1b}
+
+
+def compare_llama1b(ours: dict, titan: dict) -> dict | None:
+    """The trainer over torchtitan on the Llama-3.2-1B shape, when both ran: tokens/s and MFU (the same
+    FLOPs per token and peak for both, so the two ratios agree when the shapes do)."""
+    if ours["status"] != "pass" or titan["status"] != "pass":
+        return None
+    mine, theirs = ours.get("config") or {}, titan.get("config") or {}
+    differences = [f"{key} {mine.get(key)} vs {theirs.get(key)}"
+                   for key in ("params", "flops_per_token", "seq_len", "tokens_per_step")
+                   if mine.get(key) != theirs.get(key)]
+
+    def ratio(key: str) -> float | None:
+        a, b = ours.get(key), titan.get(key)
+        return a / b if a and b else None
+
+    return {"ours_tokens_per_s": ours.get("median_tokens_per_s"),
+            "torchtitan_tokens_per_s": titan.get("median_tokens_per_s"), "tokens_per_s_ratio": ratio(
+                "median_tokens_per_s"), "ours_mfu": ours.get("mfu"), "torchtitan_mfu": titan.get("mfu"),
+            "mfu_ratio": ratio("mfu"), "torchtitan_mfu_reported": titan.get("mfu_torchtitan_reported"),
+            "same_shape_and_batch": not differences, "differences": differences}
 
 
 # --- targets -------------------------------------------------------------------------------------
@@ -400,7 +530,27 @@ def targets(env: dict, steps: dict) -> list[dict]:
         met = (thr.get("fsdp2_over_ddp") or 0) >= THROUGHPUT_RATIO_TARGET
         ratio.update(status="met" if met else "not met", reason=f"{thr.get('fsdp2_over_ddp') or 0:.2f}x")
     out.append(ratio)
+    out.append(llama_target(env, steps))
     return out
+
+
+def llama_target(env: dict, steps: dict) -> dict:
+    ours, titan = steps["hf_llama1b"], steps["torchtitan_llama1b"]
+    compared = compare_llama1b(ours, titan)
+    target = {"name": f"hf_llama1b / torchtitan_llama1b tokens/s >= {LLAMA_RATIO_TARGET}x "
+                      "(Llama-3.2-1B shape, same batch and sequence)", "target": LLAMA_RATIO_TARGET,
+              "value": compared and compared["tokens_per_s_ratio"]}
+    if compared is None:
+        target.update(status="not applicable", reason=f"hf_llama1b {ours['status']}, torchtitan_llama1b "
+                                                      f"{titan['status']}")
+    elif not compared["same_shape_and_batch"]:
+        target.update(status="not applicable", reason="different runs: " + "; ".join(compared["differences"]))
+    elif env.get("mode") != "gpu":
+        target.update(status="not applicable", reason="CPU dry run")
+    else:
+        value = compared["tokens_per_s_ratio"] or 0
+        target.update(status="met" if value >= LLAMA_RATIO_TARGET else "not met", reason=f"{value:.2f}x")
+    return target
 
 
 # --- the summary ---------------------------------------------------------------------------------
@@ -420,7 +570,7 @@ def summarise(work: Path, *, peak_override: float | None = None, resume_rtol: fl
     for name in STEPS:
         out = step_outcome(work / name)
         step_peak = peak
-        args_peak = run_config(read_args(work / name / "run.args")).get("peak_flops_override")
+        args_peak = step_config(work / name).get("peak_flops_override")
         if args_peak and not peak_override:
             step_peak = args_peak
         ANALYSERS[name](work / name, out, step_peak, ctx)
@@ -429,6 +579,7 @@ def summarise(work: Path, *, peak_override: float | None = None, resume_rtol: fl
     counts = {s: sum(1 for o in steps.values() if o["status"] == s) for s in ("pass", "fail", "skipped")}
     return {"env": env, "setup": setup, "peak_flops": peak, "peak_flops_source": peak_source,
             "steps": steps, "targets": targets(env, steps), "counts": counts,
+            "llama1b_ours_over_torchtitan": compare_llama1b(steps["hf_llama1b"], steps["torchtitan_llama1b"]),
             "ok": counts["fail"] == 0 and "refused" not in setup}
 
 
@@ -477,6 +628,13 @@ def markdown(summary: dict) -> str:
                 figures.append(f"FSDP2/DDP {_fmt(o.get('fsdp2_over_ddp'), '.2f')}x")
             else:
                 figures.append("1 rank: FSDP2/DDP ratio not meaningful")
+        if name == "hf_llama1b" and o.get("tensors_loaded"):
+            figures.append(f"{o['tensors_loaded']} tensors loaded from the HF directory in "
+                           f"{o['load_s']:.1f} s")
+        if name == "torchtitan_llama1b" and o.get("torchtitan_version"):
+            figures.append(f"torchtitan {o['torchtitan_version']} on torch {o['torch_version']}"
+                           + (f", its own MFU {o['mfu_torchtitan_reported']:.1%}"
+                              if o.get("mfu_torchtitan_reported") is not None else ""))
         if name == "collectives" and o.get("by_size"):
             figures.append(f"{o['backend']} x{o['world_size']}: " + ", ".join(
                 f"{r['size']} {r['busbw_gbps']:.1f} GB/s" for r in o["by_size"]))
@@ -484,6 +642,14 @@ def markdown(summary: dict) -> str:
         if reason.startswith("setup refused"):
             reason = "setup refused (above)"
         lines.append(f"| {name} | {o['status']} | {'; '.join(figures) or '-'} | {reason or '-'} |")
+    c = summary.get("llama1b_ours_over_torchtitan")
+    if c:
+        caveat = "" if c["same_shape_and_batch"] else f" (not comparable: {'; '.join(c['differences'])})"
+        lines += ["", "Llama-3.2-1B shape, trainer / torchtitan: tokens/s "
+                      f"{_fmt(c['ours_tokens_per_s'], ',.0f')} / "
+                      f"{_fmt(c['torchtitan_tokens_per_s'], ',.0f')} "
+                      f"= {_fmt(c['tokens_per_s_ratio'], '.2f')}x, MFU {_fmt(c['ours_mfu'], '.1%')} / "
+                      f"{_fmt(c['torchtitan_mfu'], '.1%')} = {_fmt(c['mfu_ratio'], '.2f')}x{caveat}"]
     lines += ["", "| target | status | value | why |", "|---|---|---|---|"]
     for t in summary["targets"]:
         lines.append(f"| {t['name']} | {t['status']} | {_fmt(t['value'], '.3g')} | {t.get('reason', '')} |")

@@ -156,6 +156,7 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert "./hf_llama1b/run.log" in names and not [n for n in names if n.startswith("./models")]
 
 
+@pytest.mark.slow
 def test_hf_llama1b_makes_its_model_directory_once(tmp_path):
     work = tmp_path / "work"
     first = run("--dry-run", "--only", "hf_llama1b", "--out", str(tmp_path / "a"), timeout=120,

@@ -1,6 +1,7 @@
 """bench/gpu_summary.py on a recorded CPU dry run (tests/bench/data/cpu-dry-run) and on copies of it
 changed the way a GPU run can go wrong."""
 
+import importlib.util
 import json
 import math
 import statistics
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from trainer.config import load_config
+
+DATA = Path(__file__).parent / "data"
+TITAN_CHECK = Path(__file__).resolve().parents[2] / "bench" / "gpu_check" / "titan_check.py"
 
 
 def records(path: Path) -> list[dict]:
@@ -38,8 +42,9 @@ def overrides(argv: list[str]) -> tuple[str, list[str]]:
 
 def test_recorded_dry_run_passes_with_medians_from_its_metrics(gs, work):
     summary = gs.summarise(work)
-    assert {name: s["status"] for name, s in summary["steps"].items()} == dict.fromkeys(gs.STEPS, "pass")
-    assert summary["ok"] and summary["counts"] == {"pass": 6, "fail": 0, "skipped": 0}
+    assert {name: s["status"] for name, s in summary["steps"].items()} == {
+        **dict.fromkeys(gs.STEPS, "pass"), "torchtitan_llama1b": "skipped"}
+    assert summary["ok"] and summary["counts"] == {"pass": 7, "fail": 0, "skipped": 1}
     bf16 = summary["steps"]["bf16"]
     recs = records(work / "bf16" / "metrics.jsonl")
     expected = statistics.median(r["step_time_s"] for r in recs[gs.WARMUP_STEPS:])
@@ -237,3 +242,145 @@ def test_cli_bad_inputs(gs, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         gs.main(["--work", str(tmp_path), "--out", str(tmp_path), "--peak-flops", "-1"])
     assert e.value.code == 2 and "--peak-flops -1.0 must be a positive" in capsys.readouterr().err
+
+
+# --- the Llama-3.2-1B steps ------------------------------------------------------------------------
+
+def test_recorded_hf_llama1b_loaded_its_weights_and_has_the_figures_of_its_architecture(gs, work):
+    # The model directory is not kept with the logs: the figures come from the config.json kept beside
+    # them, read as the architecture the run loaded.
+    args = work / "hf_llama1b" / "run.args"
+    gone = f"model.hf_dir={work / 'no-such-model'}"
+    args.write_text("".join(f"{gone}\n" if a.startswith("model.hf_dir=") else f"{a}\n" for a in args_of(
+        work, "hf_llama1b")))
+    summary = gs.summarise(work, peak_override=1e12)
+    hf = summary["steps"]["hf_llama1b"]
+    assert hf["status"] == "pass" and hf["tensors_loaded"] == 20 and hf["model_dir_made"]
+    arch = load_config("finetune", [f"model.hf_config={work / 'hf_llama1b' / 'model-config.json'}",
+                                    "data.seq_len=64", "data.source=synthetic"]).model
+    assert hf["config"]["params"] == arch.num_params == 155968
+    recs = records(work / "hf_llama1b" / "metrics.jsonl")
+    step_time = statistics.median(r["step_time_s"] for r in recs[gs.WARMUP_STEPS:])
+    assert hf["median_tokens_per_s"] == pytest.approx(4 * 64 / step_time)
+    assert hf["mfu"] == pytest.approx(arch.flops_per_token(64) * hf["median_tokens_per_s"] / 1e12)
+    torchtitan = summary["steps"]["torchtitan_llama1b"]
+    assert torchtitan["reason"].startswith("torchtitan is not installed and no wheels are in .whl/torchtitan")
+    assert summary["llama1b_ours_over_torchtitan"] is None
+    assert summary["targets"][2]["status"] == "not applicable"
+
+
+def test_hf_llama1b_that_did_not_load_from_the_directory_fails(gs, work):
+    log = work / "hf_llama1b" / "run.log"
+    log.write_text("\n".join(line for line in log.read_text().splitlines() if "model: loaded" not in line))
+    hf = gs.summarise(work)["steps"]["hf_llama1b"]
+    assert hf["status"] == "fail" and "did not go through model.hf_dir" in hf["reason"]
+
+
+def titan_line(step: int, tps: float, loss: float = 8.1, mfu: str = "40.00%") -> str:
+    """A log line as torchtitan/components/metrics.py writes it (colour codes included)."""
+    return (f"[titan] 2026-12-04 20:46:38,442 - root - INFO - \x1b[31mstep: {step:2}  "
+            f"\x1b[32mloss: {loss:8.5f}  \x1b[33mgrad_norm:  0.7267  \x1b[36mmemory: 61.20GiB(43.80%)  "
+            f"\x1b[34mtps: {round(tps):,}  \x1b[36mtflops: 123.45  \x1b[35mmfu: {mfu}\x1b[39m")
+
+
+def titan_ran(work: Path, tps: list[float], **change) -> None:
+    """Act out a torchtitan_llama1b run on the recorded hf_llama1b step's shape, batch and sequence."""
+    arch = json.loads((work / "hf_llama1b" / "model-config.json").read_text())
+    config = {"flavor": "1B", "dim": arch["hidden_size"], "n_layers": arch["num_hidden_layers"],
+              "n_heads": arch["num_attention_heads"], "n_kv_heads": arch["num_key_value_heads"],
+              "ffn_dim": arch["intermediate_size"], "vocab_size": arch["vocab_size"],
+              "tied_embeddings": arch["tie_word_embeddings"], "local_batch_size": 4, "seq_len": 64,
+              "steps": len(tps), **change}
+    step = work / "torchtitan_llama1b"
+    for f in step.iterdir():
+        f.unlink()
+    (step / "check.json").write_text(json.dumps({"torch_version": "2.13.0", "torchtitan_version": "0.3.0",
+                                                 "importable": True, "config": config}))
+    (step / "run.log").write_text("\n".join(
+        ["Peak FLOPS used for computing MFU: 9.890e+14"] + [titan_line(i + 1, t) for i, t in enumerate(tps)]))
+    for name in ("check", "run"):
+        (step / f"{name}.rc").write_text("0\n")
+    (step / "step.json").write_text(json.dumps({"step": "torchtitan_llama1b", "rc": 0, "seconds": 60,
+                                                "limit_s": 300, "timed_out": False, "device": "cuda"}))
+
+
+def test_torchtitan_log_lines_as_torchtitan_writes_them(gs):
+    recs = gs.torchtitan_records(DATA / "torchtitan-cpu.log")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert [r["tokens_per_s"] for r in recs] == [77, 2778, 2893, 2978, 823, 194]
+    assert recs[0]["loss"] == 8.05962 and recs[1]["mfu"] == pytest.approx(0.0003)
+    assert recs[0]["reserved_gib"] == -0.0
+
+
+def test_ratio_of_the_trainer_over_torchtitan_when_both_ran(gs, work):
+    titan_ran(work, [100.0, 900.0, 1000.0, 2000.0, 2000.0])
+    summary = gs.summarise(work, peak_override=1e12)
+    titan, ours = summary["steps"]["torchtitan_llama1b"], summary["steps"]["hf_llama1b"]
+    assert titan["status"] == "pass" and titan["warmup_steps_excluded"] == 3
+    assert titan["median_tokens_per_s"] == pytest.approx(2000.0)
+    assert titan["config"]["params"] == ours["config"]["params"]
+    assert titan["mfu"] == pytest.approx(titan["config"]["flops_per_token"] * 2000.0 / 1e12)
+    assert titan["mfu_torchtitan_reported"] == pytest.approx(0.40) and titan["peak_reserved_gib"] == 61.2
+    assert titan["peak_flops_torchtitan"] == 989e12
+    compared = summary["llama1b_ours_over_torchtitan"]
+    assert compared["same_shape_and_batch"] and compared["differences"] == []
+    assert compared["tokens_per_s_ratio"] == pytest.approx(ours["median_tokens_per_s"] / 2000.0)
+    # The same FLOPs per token and peak for both: the MFU ratio is the tokens/s ratio.
+    assert compared["mfu_ratio"] == pytest.approx(compared["tokens_per_s_ratio"])
+    md = gs.markdown(summary)
+    assert f"= {compared['tokens_per_s_ratio']:.2f}x, MFU" in md and "torchtitan 0.3.0 on torch 2.13.0" in md
+    assert summary["targets"][2]["status"] == "not applicable"
+    assert summary["targets"][2]["reason"] == "CPU dry run"
+
+
+@pytest.mark.parametrize(("titan_tps", "status"), [(0.5, "met"), (2.0, "not met")])
+def test_goal_ours_at_least_torchtitan_on_a_gpu(gs, work, titan_tps, status):
+    ours = gs.summarise(work)["steps"]["hf_llama1b"]["median_tokens_per_s"]
+    titan_ran(work, [ours * titan_tps] * 5)
+    env = json.loads((work / "env.json").read_text())
+    env.update(mode="gpu", gpu_names=["NVIDIA H200"], gpu_count=1)
+    (work / "env.json").write_text(json.dumps(env))
+    target = gs.summarise(work)["targets"][2]
+    assert target["status"] == status and target["value"] == pytest.approx(1 / titan_tps, rel=1e-3)
+
+
+def test_different_shapes_are_not_compared(gs, work):
+    titan_ran(work, [1000.0] * 5, local_batch_size=8)
+    summary = gs.summarise(work)
+    compared = summary["llama1b_ours_over_torchtitan"]
+    assert not compared["same_shape_and_batch"] and "tokens_per_step 256 vs 512" in compared["differences"]
+    assert summary["targets"][2]["status"] == "not applicable"
+    assert "not comparable" in gs.markdown(summary)
+
+
+def test_torchtitan_run_with_missing_or_bad_steps_fails(gs, work):
+    titan_ran(work, [1000.0] * 5)
+    log = work / "torchtitan_llama1b" / "run.log"
+    log.write_text("\n".join([*log.read_text().splitlines()[:-1], titan_line(5, 1000.0, loss=math.nan)]))
+    titan = gs.summarise(work)["steps"]["torchtitan_llama1b"]
+    assert titan["status"] == "fail" and "non-finite loss at steps [5]" in titan["reason"]
+    log.write_text("\n".join(log.read_text().splitlines()[:3]))
+    titan = gs.summarise(work)["steps"]["torchtitan_llama1b"]
+    assert titan["status"] == "fail" and "2 of 5 steps logged" in titan["reason"]
+    log.write_text("Traceback (most recent call last):\nRuntimeError: CUDA out of memory\n")
+    (work / "torchtitan_llama1b" / "run.rc").write_text("1\n")
+    titan = gs.summarise(work)["steps"]["torchtitan_llama1b"]
+    assert titan["status"] == "fail" and "run: exit 1 (RuntimeError: CUDA out of memory)" in titan["reason"]
+
+
+@pytest.mark.parametrize(("error", "reason"), [
+    # What torchtitan 0.3.0 meets on torch 2.11 (torchtitan/distributed/fsdp.py).
+    (ImportError("cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'",
+                 name="torch.distributed.fsdp"),
+     "torchtitan needs a newer torch than 2.11.0: ImportError: cannot import name 'DataParallelMeshDims'"),
+    (ModuleNotFoundError("No module named 'torchtitan'", name="torchtitan"), "torchtitan is not installed"),
+    (ModuleNotFoundError("No module named 'tyro'", name="tyro"),
+     "torchtitan does not import with torch 2.11.0: ModuleNotFoundError: No module named 'tyro' (carry"),
+    (AttributeError("module 'torch' has no attribute 'x'"),
+     "torchtitan does not import with torch 2.11.0: AttributeError: module 'torch' has no attribute"),
+])
+def test_why_torchtitan_does_not_import(error, reason):
+    spec = importlib.util.spec_from_file_location("titan_check", TITAN_CHECK)
+    titan_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(titan_check)  # standard library only until torchtitan is imported
+    assert titan_check.import_failure(error, "2.11.0").startswith(reason)
