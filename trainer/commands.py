@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -51,7 +52,11 @@ def run_eval(cfg: TrainConfig, log: Callable[[str], None] = stderr_log) -> EvalR
     runtime = init_distributed(cfg.distributed)
     try:
         model = build_parallel_model(cfg, runtime, layout, log if runtime.is_main else _quiet)
-        return evaluate(model, source, batch_size=cfg.eval.batch_size, device=runtime.device)
+        result = evaluate(model, source, batch_size=cfg.eval.batch_size, device=runtime.device)
+        # No rank tears its process group down while another still works with it (gloo aborts the
+        # process: "terminate called without an active exception").
+        dist.barrier()
+        return result
     finally:
         shutdown()
 
@@ -92,7 +97,9 @@ def run_export(checkpoint: Path, out: Path, overrides: list[str], log: Callable[
         dcp.load(state, checkpoint_id=str(checkpoint))
         set_model_state_dict(model, state["model"])
         main_log(f"export: loaded {checkpoint}")
-        return export_trained(model, cfg, out, main_log)
+        exported = export_trained(model, cfg, out, main_log)
+        dist.barrier()  # as in run_eval
+        return exported
     finally:
         shutdown()
 

@@ -61,7 +61,7 @@ class RopeScaling(_Section):
 
 class ModelConfig(_Section):
     """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU): the project's own GPT shape or,
-    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3 and Mistral."""
+    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3, Qwen3-MoE and Mistral."""
 
     hf_dir: str | None = None
     """A Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or an s3:// prefix
@@ -74,7 +74,7 @@ class ModelConfig(_Section):
     """Where an s3:// model.hf_dir is downloaded, once per node (shared or NVMe storage); empty:
     $FSDP_MODEL_CACHE, else ~/.cache/fsdp-cluster/models."""
     family: str = "gpt"
-    """The config.json `model_type` (llama, mistral, qwen2, qwen3); gpt: the project's own model
+    """The config.json `model_type` (llama, mistral, qwen2, qwen3, qwen3_moe); gpt: the project's own model
     (exported as llama, which it is shaped like)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Tokens in the vocabulary (embedding and output projection rows)."""
@@ -110,6 +110,22 @@ class ModelConfig(_Section):
     """Mistral's attention window: sequences longer than it are refused (not implemented)."""
     init_std: float = Field(default=0.02, gt=0)
     """Standard deviation of the normal weight initialisation (models trained from scratch)."""
+    n_experts: int = Field(default=0, ge=0)
+    """Mixture of experts (Qwen3-MoE's num_experts): experts per sparse block; 0: every block is dense."""
+    n_active_experts: int = Field(default=1, ge=1)
+    """Experts each token is routed to (top-k, num_experts_per_tok)."""
+    moe_ffn_dim: int | None = Field(default=None, ge=1)
+    """Hidden size of one expert's SwiGLU (moe_intermediate_size); empty: ffn_dim."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE's norm_topk_prob)."""
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    """Weight of the load-balancing loss (Switch Transformer, as transformers computes it) added to the
+    training loss; 0: not added (it is still computed and reported). From a config.json: its
+    router_aux_loss_coef when output_router_logits is true (transformers adds it only then), else 0;
+    may be set beside model.hf_dir."""
+    moe_layers: list[int] | None = None
+    """The sparse blocks (0-based); empty: every block when n_experts > 0. From a config.json: the
+    blocks not in mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step."""
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
@@ -128,9 +144,25 @@ class ModelConfig(_Section):
         if self.n_heads % kv:
             problems.append(Problem("model.n_kv_heads", kv, f"does not divide model.n_heads={self.n_heads}",
                                     "use a divisor of n_heads (or leave it empty for n_heads)"))
+        if self.n_experts and self.n_active_experts > self.n_experts:
+            problems.append(Problem("model.n_active_experts", self.n_active_experts,
+                                    f"is more than model.n_experts={self.n_experts}",
+                                    "route each token to at most n_experts experts"))
+        bad = [i for i in self.moe_layers or [] if not 0 <= i < self.n_layers]
+        if bad:
+            problems.append(Problem("model.moe_layers", bad, f"are not blocks 0..{self.n_layers - 1}",
+                                    "list block indices below model.n_layers"))
         if problems:
             raise ConfigError(problems)
         return self
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` has the mixture of experts instead of the dense feed-forward."""
+        return self.n_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
 
     @property
     def kv_heads(self) -> int:
@@ -148,21 +180,33 @@ class ModelConfig(_Section):
     @property
     def num_params(self) -> int:
         """Parameter count from the sizes alone (tests check it against the built model)."""
+        return self._params(self.n_experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: num_params with n_active_experts of the n_experts experts of
+        each sparse block (the router counts whole); num_params for a dense model."""
+        return self._params(self.n_active_experts)
+
+    def _params(self, experts: int) -> int:
         q, kv = self.n_heads * self.head_size, self.kv_heads * self.head_size
         attention = self.dim * (q + 2 * kv) + q * self.dim
         attention += (q + 2 * kv) * self.qkv_bias + self.dim * self.o_bias + 2 * self.head_size * self.qk_norm
-        feed_forward = 3 * self.dim * self.ffn_dim
-        per_layer = attention + feed_forward + 2 * self.dim
+        sparse = sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        dense_ffn = 3 * self.dim * self.ffn_dim
+        moe_ffn = experts * 3 * self.dim * self.expert_ffn_dim + self.n_experts * self.dim  # + router
+        per_layer = attention + 2 * self.dim
         output = 0 if self.tie_embeddings else self.dim * self.vocab_size
-        return self.n_layers * per_layer + self.embedding_params + self.dim + output
+        return (self.n_layers * per_layer + (self.n_layers - sparse) * dense_ffn + sparse * moe_ffn
+                + self.embedding_params + self.dim + output)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token (forward + backward), PaLM appendix B: the matmul FLOPs of the
-        non-embedding parameters (the output projection counts, tied or not) plus the attention
-        score/value products."""
+        non-embedding parameters a token uses (the active ones: k of n experts; the output
+        projection counts, tied or not) plus the attention score/value products."""
         attention = 6 * self.n_layers * self.n_heads * (2 * self.head_size) * seq_len
         output = self.embedding_params if self.tie_embeddings else 0
-        return 6 * (self.num_params - self.embedding_params + output) + attention
+        return 6 * (self.active_params - self.embedding_params + output) + attention
 
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -377,6 +421,15 @@ class TrainConfig(_Section):
                                     "is not divisible by training.gradient_accumulation="
                                     f"{self.training.gradient_accumulation}",
                                     "make global_batch_size a multiple of gradient_accumulation"))
+        if self.checkpoint.hf_export_dir and self.model.n_experts and self.model.family == "gpt":
+            problems.append(Problem("checkpoint.hf_export_dir", self.checkpoint.hf_export_dir,
+                                    "asks for a Hugging Face export of the project's own model with experts "
+                                    "(exports of it are Llama configs, which have none)",
+                                    "fine-tune a qwen3_moe model from model.hf_dir, or leave it empty"))
+        if self.parallel.lora.enabled and self.model.n_experts:
+            problems.append(Problem("parallel.lora.rank", self.parallel.lora.rank,
+                                    "asks for LoRA on a mixture-of-experts model (not implemented yet)",
+                                    "fine-tune it fully (parallel.lora.rank=0)"))
         if self.parallel.param_dtype == "fp16" and self.parallel.reduce_dtype == "bf16":
             problems.append(Problem("parallel.reduce_dtype", "bf16", "mixes with fp16 parameters",
                                     "use reduce_dtype fp32 with fp16 parameters"))
@@ -509,7 +562,7 @@ def _problems_from_validation(err: ValidationError) -> list[Problem]:
 
 
 # Keys a user may still set beside model.hf_dir / model.hf_config: how the model is used, not its shape.
-_MODEL_USAGE_KEYS = {"hf_dir", "hf_config", "cache_dir", "max_seq_len", "init_std"}
+_MODEL_USAGE_KEYS = {"hf_dir", "hf_config", "cache_dir", "max_seq_len", "init_std", "router_aux_loss_coef"}
 
 
 def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
@@ -528,11 +581,13 @@ def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
         location = str(resolve_model_dir(location, model.get("cache_dir")))  # FetchError names the key
         model = {**model, "hf_dir": location}
     architecture = read_architecture(location, key)
+    # A key config.json does not set keeps its default (a saved run's config lists every key).
+    defaults = {name: info.default for name, info in ModelConfig.model_fields.items()}
     clashes = [Problem(f"model.{name}", model[name], f"is set by {architecture.source} ({key})",
                        f"remove it (config.json says {architecture.model_fields.get(name)!r}), or start "
                        "from a config without a model shape (--config finetune)")
                for name in model if name not in _MODEL_USAGE_KEYS
-               and model[name] != architecture.model_fields.get(name)]
+               and model[name] != architecture.model_fields.get(name, defaults.get(name))]
     if clashes:
         raise ConfigError(clashes)
     return {**architecture.model_fields, **model}

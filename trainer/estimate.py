@@ -99,7 +99,18 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     feed_forward = rmsnorm + e * 4 * f  # w1 and w3 outputs, silu, their product
     scores = 0 if flash_attention else 4 * m.n_heads * cfg.data.seq_len  # the probabilities
     per_block = tokens * (attention + feed_forward + scores)
-    backward_transient = tokens * e * (3 * f + 2 * h)  # gradients flowing through one block
+    # Mixture of experts, kept simple: every token is routed to k experts, so the experts' saved
+    # tensors are the dense ones for k x tokens at the expert width, plus the k routed copies of the
+    # input and of the experts' outputs and the router's fp32 logits and probabilities.
+    k, fm = m.n_active_experts, m.expert_ffn_dim
+    moe_feed_forward = rmsnorm + e * 4 * k * fm + 2 * e * k * h + 2 * 4 * m.n_experts
+    per_moe_block = tokens * (attention + moe_feed_forward + scores)
+    sparse = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    blocks = (m.n_layers - sparse) * per_block + sparse * per_moe_block
+    widest = max(f if sparse < m.n_layers else 0, k * fm if sparse else 0)
+    if sparse:
+        per_block = max(per_block if sparse < m.n_layers else 0, per_moe_block)
+    backward_transient = tokens * e * (3 * widest + 2 * h)  # gradients flowing through one block
     if e == 4:  # F.cross_entropy: the log-softmax saved, then its gradient
         loss = 2 * tokens * m.vocab_size * 4
     else:  # the chunked loss: the gradient in the compute dtype, one fp32 chunk
@@ -108,7 +119,7 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     if checkpointing:
         inputs = m.n_layers * tokens * e * h
         return inputs + head + max(loss, per_block + backward_transient)
-    return m.n_layers * per_block + head + loss + backward_transient
+    return blocks + head + loss + backward_transient
 
 
 def _memory(cfg: TrainConfig, world_size: int, ranks_per_node: int, flash_attention: bool

@@ -108,6 +108,9 @@ class _Pending:
     comm: CommTime | None
     step_time_s: float | None  # device-synchronised, profiled steps only
     comm_bytes: dict[str, int] | None
+    # Mixture of experts only: this rank's load-balancing loss and top-k assignments per expert.
+    router_aux_loss: torch.Tensor | None = None
+    tokens_per_expert: torch.Tensor | None = None  # [MoE blocks, n_experts]
 
 
 class MetricsLogger:
@@ -161,12 +164,15 @@ class MetricsLogger:
     def log_step(self, *, step: int, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
                  skipped: bool = False, comm: CommTime | None = None, step_time_s: float | None = None,
                  overhead_s: float = 0.0, flush: bool = False,
-                 comm_bytes: dict[str, int] | None = None) -> list[dict]:
+                 comm_bytes: dict[str, int] | None = None, router_aux_loss: torch.Tensor | None = None,
+                 tokens_per_expert: torch.Tensor | None = None) -> list[dict]:
         """`overhead_s`: wall time that was not training (the profiler's own work on a sampled step),
-        left out of the throughput. `comm_bytes`: the step's CommBytes.take(). Returns the records
+        left out of the throughput. `comm_bytes`: the step's CommBytes.take(). `router_aux_loss`,
+        `tokens_per_expert`: a mixture-of-experts step's (trainer/moe.py). Returns the records
         written (empty between log intervals)."""
         self.overhead_s += overhead_s
-        self.pending.append(_Pending(step, loss, grad_norm, lr, skipped, comm, step_time_s, comm_bytes))
+        self.pending.append(_Pending(step, loss, grad_norm, lr, skipped, comm, step_time_s, comm_bytes,
+                                     router_aux_loss, tokens_per_expert))
         if (flush or not self.records or step % self.cfg.log_interval == 0 or step == self.total_steps):
             return self.flush()
         return []
@@ -177,6 +183,12 @@ class MetricsLogger:
             return []
         pending, self.pending = self.pending, []
         values = [p.loss for p in pending] + [p.grad_norm.reshape(()) for p in pending]
+        moe = pending[0].router_aux_loss is not None
+        if moe:
+            values += [p.router_aux_loss for p in pending]
+            # The load over the whole job: every rank's assignments summed, one collective per flush.
+            routed = torch.stack([p.tokens_per_expert for p in pending]).double()
+            dist.all_reduce(routed)
         per_rank, memory = gather_steps(values, self.runtime.device)
         mems = [m.peak for m in memory]
         now = time.perf_counter()
@@ -213,6 +225,13 @@ class MetricsLogger:
                 "mem_max_min_ratio": max(mems) / max(1, min(mems)),
                 "skipped": p.skipped, **self.info,
             }
+            if moe:
+                load = routed[i]
+                record["router_aux_loss"] = sum(row[2 * n + i] for row in per_rank) / len(per_rank)
+                record["tokens_per_expert"] = load.long().tolist()
+                # Per MoE block: the busiest expert's tokens over the mean (1.0: perfectly balanced).
+                record["expert_load_max_over_mean"] = (load.max(dim=1).values / load.mean(dim=1)
+                                                       .clamp(min=1e-9)).tolist()
             if i == n - 1:  # memory now was read at this flush, i.e. after this step (leak fits)
                 record["host_rss_bytes_per_rank"] = [m.host_rss for m in memory]
                 if self.runtime.device.type == "cuda":

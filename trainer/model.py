@@ -1,8 +1,9 @@
 """A decoder-only transformer: RMSNorm, rotary position embeddings, SwiGLU feed-forward, in one
 configurable block that covers the project's own GPT and the Hugging Face Llama, Qwen2, Qwen3 and
 Mistral families (optional q/k/v and output biases, q/k RMSNorm, explicit head size, tied embeddings,
-Llama 3.1 rope scaling). Parameter names are the project's; trainer/hf/adapter.py maps them to and
-from the Hugging Face names.
+Llama 3.1 rope scaling), and Qwen3-MoE, whose sparse blocks swap the feed-forward for the mixture of
+experts of trainer/moe.py. Parameter names are the project's; trainer/hf/adapter.py maps them to and from
+the Hugging Face names.
 
 Rotary embeddings rotate the two halves of each head (x[:d/2], x[d/2:]), the layout Hugging Face
 checkpoints are stored in: loading is then a pure renaming, read slice by slice, where the
@@ -27,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig, RopeScaling
+from trainer.moe import MoEFeedForward, router_aux_loss
 from trainer.seeding import stream_seed
 
 # Rows per independent random stream: small enough that a rank wastes little generating the rows of
@@ -131,12 +133,16 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.is_moe_layer(layer_id):
+            self.feed_forward = MoEFeedForward(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts,
+                                               cfg.n_active_experts, cfg.norm_topk_prob)
+        else:
+            self.feed_forward = FeedForward(cfg)
         # Set by parallelize: recompute this block's activations in backward instead of storing them.
         self.activation_checkpointing = False
 
@@ -157,7 +163,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -180,6 +186,21 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
         return self.output(self.norm(h))
+
+    def moe_blocks(self) -> list[MoEFeedForward]:
+        return [layer.feed_forward for layer in self.layers if isinstance(layer.feed_forward, MoEFeedForward)]
+
+    def router_aux_loss(self) -> torch.Tensor | None:
+        """The load-balancing loss of the last forward (transformers' load_balancing_loss_func over
+        every MoE block); None for a dense model."""
+        stats = [block.stats for block in self.moe_blocks() if block.stats is not None]
+        return router_aux_loss(stats, self.cfg.n_experts) if stats else None
+
+    def tokens_per_expert(self) -> torch.Tensor | None:
+        """[MoE blocks, n_experts]: top-k assignments per expert in the last forward (this rank's
+        tokens); None for a dense model."""
+        stats = [block.stats for block in self.moe_blocks() if block.stats is not None]
+        return torch.stack([s.tokens_per_expert for s in stats]) if stats else None
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | str) -> None:

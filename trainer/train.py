@@ -111,6 +111,10 @@ class StepResult:
     grad_norm: torch.Tensor  # global, before clipping (on the device)
     lr: float
     skipped: bool
+    # Mixture of experts (None for a dense model): this rank's load-balancing loss, the mean over its
+    # micro-batches, and its top-k assignments per expert summed over them, [MoE blocks, n_experts].
+    router_aux_loss: torch.Tensor | None = None
+    tokens_per_expert: torch.Tensor | None = None
 
 
 def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, strategy: Strategy,
@@ -127,12 +131,23 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
     counted = torch.stack([(batch.targets != IGNORE).sum() for batch in batches]).sum().float()
     dist.all_reduce(counted)
     scale = dist.get_world_size() / counted.clamp(min=1)
+    aux_sum = routed = None
+    aux_coef = model.cfg.router_aux_loss_coef
     for micro, batch in enumerate(batches):
         set_gradient_sync(model, strategy, micro == accumulation - 1)
         logits = model(batch.inputs, batch.positions, batch.document_ids)
         loss = token_nll_sum(logits, batch.targets) * scale
-        (scaler.scale(loss) if scaler else loss).backward()
         loss_sum += loss.detach()
+        aux = model.router_aux_loss()
+        if aux is not None:
+            # transformers adds coef x aux to the mean NLL; FSDP averages the ranks' gradients, so each
+            # rank adds its own mean over its micro-batches. The logged loss stays the NLL alone.
+            if aux_coef > 0:
+                loss = loss + aux * (aux_coef / accumulation)
+            aux_sum = aux.detach() / accumulation + (0 if aux_sum is None else aux_sum)
+            per_expert = model.tokens_per_expert()
+            routed = per_expert if routed is None else routed + per_expert
+        (scaler.scale(loss) if scaler else loss).backward()
     if scaler:
         # Found-inf flags of sharded gradients are reduced across ranks by DTensor, so every rank
         # skips the same steps.
@@ -151,7 +166,7 @@ def train_step(model: FSDPModule, optimizer, scheduler, loader: BatchLoader, *, 
         skipped = False
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, grad_norm.detach(), lr, skipped)
+    return StepResult(loss_sum, grad_norm.detach(), lr, skipped, aux_sum, routed)
 
 
 def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout,
@@ -242,7 +257,8 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
             records = metrics.log_step(step=step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                                        skipped=result.skipped, comm=comm, step_time_s=profiled_time,
                                        overhead_s=overhead, flush=saving or stopped_by is not None,
-                                       comm_bytes=comm_counter.take())
+                                       comm_bytes=comm_counter.take(), router_aux_loss=result.router_aux_loss,
+                                       tokens_per_expert=result.tokens_per_expert)
             if rank_metrics:
                 rank_metrics.after_step(records)
             tracker.log(records)

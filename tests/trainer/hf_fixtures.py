@@ -7,8 +7,9 @@ shapes, rope conventions, tied embeddings and shard indexes are exactly what the
 reference losses with transformers' own modelling code in fp32 with eager attention (stable to ~1e-6 on
 CPU), for the trainer's numbers to be compared against.
 
-Everything is seeded and small: a model has 2 layers, hidden 64, a ~400-token byte-level BPE vocabulary,
-and builds, saves and evaluates in well under 2 s on CPU. Biases and norm weights are random rather than
+Everything is seeded and small: a model has 2 layers (qwen3-moe: one dense, one of 8 experts, top-2),
+hidden 64, a ~400-token byte-level BPE vocabulary, and builds, saves and evaluates in well under 2 s on
+CPU. Biases and norm weights are random rather than
 0/1, so a loader that skips them changes the loss and is caught. Shards are kept small
 (max_shard_size="60KB") so every checkpoint has several *.safetensors files and an index.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("llama", "llama-tied", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "llama-tied", "qwen2", "qwen3", "mistral", "qwen3-moe")
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -152,7 +153,7 @@ def load_tokenizer(directory: Path):
 
 def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int, eos: int, pad: int,
             dtype: torch.dtype, init_std: float):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=vocab_size,
@@ -185,6 +186,16 @@ def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int,
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                            tie_word_embeddings=False, use_sliding_window=False, sliding_window=None)
+    if family == "qwen3-moe":
+        # Block 0 dense (mlp_only_layers), block 1 sparse: 8 experts of 32, top-2, renormalised. The
+        # aux-loss coefficient is set but output_router_logits is false, so transformers' loss (and the
+        # trainer's, which reads it the same way) is the NLL alone.
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        return Qwen3MoeConfig(**common, head_dim=24, rope_parameters=rope,
+                              tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
+                              router_aux_loss_coef=0.01, output_router_logits=False)
     if family == "mistral":
         return MistralConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                              tie_word_embeddings=False, sliding_window=None)

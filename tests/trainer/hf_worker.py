@@ -42,6 +42,26 @@ def _config(model_dir: str, docs: str | None = None):
     return load_config("finetune", overrides)
 
 
+def reference_grads(reference) -> dict[str, torch.Tensor]:
+    """transformers' gradients by checkpoint key: transformers 5 keeps a MoE block's experts stacked
+    in memory (`mlp.experts.gate_up_proj` [E, 2 x ffn, hidden], gate rows first; `mlp.experts.down_proj`
+    [E, hidden, ffn]) and saves them per expert (`mlp.experts.{e}.gate_proj.weight`, ...)."""
+    out = {}
+    for name, param in reference.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for e, g in enumerate(param.grad):
+                gate, up = g.chunk(2, dim=0)
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e, g in enumerate(param.grad):
+                out[f"{prefix}{e}.down_proj.weight"] = g
+        else:
+            out[name] = param.grad
+    return out
+
+
 def grads(model_dir: str, docs_path: str, out: str) -> None:
     from tests.trainer.hf_fixtures import load_reference, load_tokenizer
 
@@ -68,8 +88,8 @@ def grads(model_dir: str, docs_path: str, out: str) -> None:
             ids = torch.tensor([ids])
             total = total + reference(ids, labels=ids).loss * (ids.shape[1] - 1)
         (total / counted).backward()
-        theirs = dict(reference.named_parameters())
-        result = {name: float((ours[name] - theirs[name].grad).abs().max() / theirs[name].grad.abs().max())
+        theirs = reference_grads(reference)
+        result = {name: float((ours[name] - theirs[name]).abs().max() / theirs[name].abs().max())
                   for name in ours}
         Path(out).write_text(json.dumps(result))
     # Rank 1 must not tear its process group down while rank 0 still computes the reference (gloo

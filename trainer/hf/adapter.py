@@ -1,5 +1,6 @@
 """The state-dict adapter: the trainer's parameter names to and from the Hugging Face names of the
-Llama-style families (llama, mistral, qwen2, qwen3 share them), and LoRA adapters to PEFT's names.
+Llama-style families (llama, mistral, qwen2, qwen3 share them; qwen3_moe adds its router and
+per-expert projections), and LoRA adapters to PEFT's names.
 
 The rotary layout needs no mapping: the model rotates halves as the checkpoints store them
 (trainer/model.py), so every tensor is read and written as it is, slice by slice.
@@ -23,6 +24,11 @@ _BLOCK = {
     "feed_forward.w2": "mlp.down_proj",
     "feed_forward.w3": "mlp.up_proj",
 }
+# A sparse block's feed-forward: the router and expert e's projections, as transformers'
+# save_pretrained writes Qwen3-MoE (per-expert keys; in memory transformers 5 stacks them).
+_MOE = {"router": "gate", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_EXPERT = re.compile(r"^feed_forward\.experts\.(\d+)\.(w1|w2|w3)$")
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)$")
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -44,9 +50,16 @@ def to_hf(name: str) -> str:
     if name in _TOP:
         return _TOP[name]
     match = _BLOCK_NAME.match(name)
-    if match is None or match.group(2) not in _BLOCK or match.group(3) not in ("weight", "bias"):
+    if match is None or match.group(3) not in ("weight", "bias"):
         raise UnknownParameter(name)
     layer, module, kind = match.groups()
+    if module == "feed_forward.router":
+        return f"model.layers.{layer}.mlp.gate.{kind}"
+    expert = _EXPERT.match(module)
+    if expert is not None:
+        return f"model.layers.{layer}.mlp.experts.{expert.group(1)}.{_MOE[expert.group(2)]}.{kind}"
+    if module not in _BLOCK:
+        raise UnknownParameter(name)
     return f"model.layers.{layer}.{_BLOCK[module]}.{kind}"
 
 
@@ -56,10 +69,18 @@ def from_hf(name: str) -> str:
         if name == theirs:
             return ours
     match = _HF_BLOCK_NAME.match(name)
-    reverse = {theirs: ours for ours, theirs in _BLOCK.items()}
-    if match is None or match.group(2) not in reverse:
+    if match is None:
         raise UnknownParameter(name)
     layer, module, kind = match.groups()
+    if module == "mlp.gate":
+        return f"layers.{layer}.feed_forward.router.{kind}"
+    expert = _HF_EXPERT.match(module)
+    if expert is not None:
+        ours = {theirs: ours for ours, theirs in _MOE.items()}[expert.group(2)]
+        return f"layers.{layer}.feed_forward.experts.{expert.group(1)}.{ours}.{kind}"
+    reverse = {theirs: ours for ours, theirs in _BLOCK.items()}
+    if module not in reverse:
+        raise UnknownParameter(name)
     return f"layers.{layer}.{reverse[module]}.{kind}"
 
 

@@ -8,6 +8,13 @@ The families share one block (trainer/model.py); what differs is read here:
 | mistral | - | - | - | head_dim or hidden/heads | default (sliding_window: sequences up to it) |
 | qwen2   | always | - | - | hidden/heads | default |
 | qwen3   | attention_bias | attention_bias | yes | head_dim | default |
+| qwen3_moe | attention_bias | attention_bias | yes | head_dim | default |
+
+qwen3_moe adds the mixture of experts (trainer/moe.py): num_experts (transformers 5 writes
+num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, and which blocks are
+sparse (not in mlp_only_layers, (index + 1) a multiple of decoder_sparse_step; the others keep the
+dense intermediate_size feed-forward). router_aux_loss_coef counts when output_router_logits is true,
+as in transformers. Shared experts and router noise are refused by name.
 
 Both spellings of the rotary settings are read: transformers 4 writes `rope_theta` + `rope_scaling`,
 transformers 5 `rope_parameters`. Anything this trainer would compute differently from transformers
@@ -24,9 +31,17 @@ from typing import Any
 
 from trainer.errors import ConfigError, Problem
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-# The next issue's families: named in the refusal so users know they are coming, not mistyped.
-MOE_FAMILIES = ("gpt_oss", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+# The next mixture-of-experts families: named in the refusal so users know they are coming, not mistyped.
+MOE_FAMILIES = ("gpt_oss", "mixtral", "qwen2_moe")
+# Mixture-of-experts fields this trainer does not implement: refused when set (non-zero, non-empty).
+_UNSUPPORTED_MOE_FIELDS = {
+    "shared_expert_intermediate_size": "a shared expert",
+    "n_shared_experts": "shared experts",
+    "num_shared_experts": "shared experts",
+    "router_jitter_noise": "router noise",
+    "moe_capacity_factor": "an expert capacity (dropped tokens)",
+}
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "configs" / "hf"
 DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -108,6 +123,31 @@ def _rope(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str,
     return out
 
 
+def _moe(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields, as transformers' Qwen3MoeDecoderLayer reads them."""
+    for name, what in _UNSUPPORTED_MOE_FIELDS.items():
+        if raw.get(name):
+            problems.append(Problem(f"{where}: {name}", raw[name], f"asks for {what}, which this trainer "
+                                    "does not implement", "use a model without it"))
+    experts = raw.get("num_experts", raw.get("num_local_experts"))
+    names = {"num_experts": experts, "num_experts_per_tok": raw.get("num_experts_per_tok"),
+             "moe_intermediate_size": raw.get("moe_intermediate_size")}
+    bad = [name for name, value in names.items() if not isinstance(value, int) or value < 0]
+    if bad:
+        problems.extend(Problem(f"{where}: {name}", names[name], "is missing or not an integer",
+                                "restore the model's config.json") for name in bad)
+        return {}
+    if experts == 0:
+        return {}
+    step = raw.get("decoder_sparse_step") or 1
+    dense = set(raw.get("mlp_only_layers") or [])
+    sparse = [i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
+    coef = float(raw.get("router_aux_loss_coef") or 0.0) if raw.get("output_router_logits") else 0.0
+    return {"n_experts": experts, "n_active_experts": names["num_experts_per_tok"],
+            "moe_ffn_dim": names["moe_intermediate_size"], "norm_topk_prob": bool(raw.get("norm_topk_prob")),
+            "router_aux_loss_coef": coef, "moe_layers": sparse}
+
+
 def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
     problems: list[Problem] = []
     family = raw.get("model_type")
@@ -146,9 +186,11 @@ def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "qkv_bias": True if family == "qwen2" else attention_bias,
         "o_bias": False if family in ("qwen2", "mistral") else attention_bias,
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
         **_rope(raw, problems, where),
     }
+    if family == "qwen3_moe":
+        fields.update(_moe(raw, problems, where))
     if family == "mistral" and raw.get("sliding_window"):
         fields["sliding_window"] = int(raw["sliding_window"])
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"

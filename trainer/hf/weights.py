@@ -210,6 +210,10 @@ def hf_config_dict(model_cfg: ModelConfig, architecture: HFArchitecture | None, 
         key = "dtype" if "dtype" in raw and "torch_dtype" not in raw else "torch_dtype"
         raw[key] = dtype_name
         return raw
+    if model_cfg.n_experts:
+        raise ConfigError([Problem("model.n_experts", model_cfg.n_experts, "has no Hugging Face export for "
+                                   "the project's own model (exports of it are Llama configs)",
+                                   "fine-tune a qwen3_moe model from model.hf_dir, or export no HF copy")])
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": model_type_of(model_cfg.family),
         "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.dim,
