@@ -575,10 +575,12 @@ def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
         return model
     if not isinstance(location, str):
         raise ConfigError([Problem(key, location, "is not a path", "give a directory, a file or a name")])
-    if key == "model.hf_dir" and location.startswith("s3://"):
+    if key == "model.hf_dir":
         from trainer.hf.fetch import resolve_model_dir
 
-        location = str(resolve_model_dir(location, model.get("cache_dir")))  # FetchError names the key
+        # A local directory is checked (config.json there, no Hub id); an s3:// one downloaded. FetchError
+        # names the key and the fix.
+        location = str(resolve_model_dir(location, model.get("cache_dir")))
         model = {**model, "hf_dir": location}
     architecture = read_architecture(location, key)
     # A key config.json does not set keeps its default (a saved run's config lists every key).

@@ -244,11 +244,16 @@ def _problem(excinfo) -> str:
     return str(excinfo.value)
 
 
-def test_directory_without_config_json(tmp_path):
+def test_directory_without_config_json_and_a_hub_id(tmp_path):
+    from trainer.hf.fetch import FetchError
+
     (tmp_path / "model").mkdir()
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(FetchError) as e:
         load_config("finetune", [f"model.hf_dir={tmp_path / 'model'}", "data.path=x.jsonl"])
-    assert "model.hf_dir" in _problem(e) and "without config.json" in _problem(e)
+    assert "model.hf_dir" in _problem(e) and "has no config.json" in _problem(e)
+    with pytest.raises(FetchError) as e:
+        load_config("finetune", ["model.hf_dir=meta-llama/Llama-3.1-8B", "data.path=x.jsonl"])
+    assert "not downloaded from the Hugging Face Hub" in _problem(e)
 
 
 def test_unknown_model_type_and_rope_type(models, tmp_path):
