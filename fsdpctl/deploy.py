@@ -146,7 +146,7 @@ dependencies = [
 ]
 
 [project.scripts]
-fsdp-train = "trainer.__main__:main"
+fsdp-train = "trainer.__main__:entry"
 
 [tool.setuptools.packages.find]
 include = ["trainer*"]

@@ -14,10 +14,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import ConfigError, load_config, shipped_config_names
 from trainer.data import DataError
+from trainer.distributed import exit_process
 from trainer.estimate import GPU_MEMORY, estimate, report
 from trainer.hf.fetch import FetchError
 from trainer.train import train
@@ -143,5 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def entry() -> NoReturn:
+    """The process entry point (`fsdp-train`, `python -m trainer`): main, then exit_process."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

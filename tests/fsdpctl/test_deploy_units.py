@@ -77,7 +77,7 @@ def test_trainer_pyproject_takes_the_trainer_extra_as_its_requirements(tmp_path)
     project = tomllib.loads(trainer_pyproject(tmp_path))["project"]
     assert project["name"] == "fsdp-trainer" and project["version"] == "1.2.3"
     assert project["dependencies"] == ["torch>=2.13", "numpy>=1.26", "pydantic>=2.7"]
-    assert project["scripts"] == {"fsdp-train": "trainer.__main__:main"}
+    assert project["scripts"] == {"fsdp-train": "trainer.__main__:entry"}
     assert "shtab>=1.7" not in trainer_requirements(None, tmp_path)
 
 

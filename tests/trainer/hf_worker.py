@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.config import load_config
-from trainer.distributed import init_distributed, launch_sizes
+from trainer.distributed import exit_process, init_distributed, launch_sizes
 from trainer.evaluate import evaluation_source
 from trainer.hf.adapter import to_hf
 from trainer.hf.weights import load_weights
@@ -125,3 +125,4 @@ def load_memory(model_dir: str, out: str) -> None:
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     {"grads": grads, "load-memory": load_memory}[mode](*args)
+    exit_process(0)  # as the trainer's own entry point does (trainer/distributed.py)
