@@ -46,3 +46,17 @@ def moto_s3(monkeypatch):
         yield aws
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> tuple[Path, list[str]]:
+    """12 deterministic text documents as a jsonl file ({"text": ...} per line) and as strings, for
+    the Hugging Face model tests."""
+    import json
+
+    from tests.trainer.hf_fixtures import documents
+
+    texts = documents(12)
+    path = tmp_path_factory.mktemp("hf-docs") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path, texts

@@ -27,7 +27,6 @@ from tests.trainer.conftest import REPO, assert_ok, torchrun
 from tests.trainer.hf_fixtures import (
     FAMILIES,
     chat_examples,
-    documents,
     load_reference,
     make_model,
     reference_chat_eval,
@@ -46,14 +45,6 @@ FP32 = ["--set", "parallel.param_dtype=fp32", "--set", f"data.seq_len={SEQ_LEN}"
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf-models")
     return {family: make_model(family, root / family) for family in FAMILIES}
-
-
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> tuple[Path, list[str]]:
-    texts = documents(12)
-    path = tmp_path_factory.mktemp("hf-docs") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path, texts
 
 
 def _eval_args(model: Path, data: Path, *extra: str) -> list[str]:

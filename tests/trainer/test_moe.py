@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.trainer.conftest import assert_ok, torchrun
-from tests.trainer.hf_fixtures import documents, load_reference, make_model, reference_eval
+from tests.trainer.hf_fixtures import load_reference, make_model, reference_eval
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
 from trainer.config import load_config
 from trainer.errors import ConfigError
@@ -33,14 +33,6 @@ from trainer.moe import MoEFeedForward, RouterStats, route, router_aux_loss
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
     return make_model("qwen3-moe", tmp_path_factory.mktemp("hf-moe") / "qwen3-moe")
-
-
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> tuple[Path, list[str]]:
-    texts = documents(12)
-    path = tmp_path_factory.mktemp("moe-docs") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path, texts
 
 
 def _raw(moe: Path) -> dict:
