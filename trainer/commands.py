@@ -22,8 +22,9 @@ from trainer.config import Layout, Strategy, TrainConfig, assign, parse_assignme
 from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdown
 from trainer.errors import ConfigError, Problem
 from trainer.evaluate import EvalResult, evaluate, evaluation_source
-from trainer.hf.weights import export_trained
+from trainer.hf.weights import check_weights, export_trained
 from trainer.metrics import stderr_log
+from trainer.model import build_model
 from trainer.tokenizer import Tokenizer
 from trainer.train import build_parallel_model, with_local_data
 
@@ -45,6 +46,8 @@ def run_eval(cfg: TrainConfig, log: Callable[[str], None] = stderr_log) -> EvalR
         raise ConfigError([Problem("data.source", cfg.data.source, "must be jsonl or parquet with data.path "
                                    "set (the documents to score)", "--set data.source=jsonl --set "
                                    "data.path=FILE")])
+    # The weights against the architecture, from the headers, before any process group.
+    check_weights(build_model(cfg.model), Path(cfg.model.hf_dir))
     tokenizer = Tokenizer.from_dir(Path(cfg.model.hf_dir))
     cfg = with_local_data(cfg, log)
     source = evaluation_source(cfg.data, tokenizer, cfg.model.vocab_size, log)

@@ -44,24 +44,34 @@ DType = Literal["fp32", "bf16", "fp16"]
 
 
 class RopeScaling(_Section):
-    """Llama 3.1's frequency-dependent rotary scaling (`rope_type: llama3` in config.json): long
-    wavelengths are stretched by `factor`, short ones kept, the band between interpolated."""
+    """Rotary scaling for contexts longer than pre-training: Llama 3.1's frequency-dependent rule
+    (`rope_type: llama3` in config.json) or YaRN (`rope_type: yarn`, gpt-oss)."""
 
-    type: Literal["llama3"] = "llama3"
-    """The scaling rule; only llama3 is implemented (YaRN and others are refused by name)."""
+    type: Literal["llama3", "yarn"] = "llama3"
+    """llama3: long wavelengths stretched by `factor`, short ones kept, the band between interpolated.
+    yarn: the same idea with the band set by beta_fast/beta_slow rotations, and cos/sin multiplied by
+    attention_factor."""
     factor: float = Field(gt=0)
-    """How much the long wavelengths are stretched (8 for Llama 3.1)."""
+    """How much the long wavelengths are stretched (8 for Llama 3.1, 32 for gpt-oss)."""
     low_freq_factor: float = Field(default=1.0, gt=0)
-    """Wavelengths above original_max_seq_len / low_freq_factor are divided by `factor`."""
+    """llama3: wavelengths above original_max_seq_len / low_freq_factor are divided by `factor`."""
     high_freq_factor: float = Field(default=4.0, gt=0)
-    """Wavelengths below original_max_seq_len / high_freq_factor are kept."""
+    """llama3: wavelengths below original_max_seq_len / high_freq_factor are kept."""
     original_max_seq_len: int = Field(default=8192, ge=1)
     """The context the model was pre-trained with before scaling."""
+    beta_fast: float = Field(default=32.0, gt=0)
+    """yarn: dimensions rotating more than beta_fast times over the original context are kept."""
+    beta_slow: float = Field(default=1.0, gt=0)
+    """yarn: dimensions rotating fewer than beta_slow times are divided by `factor`."""
+    truncate: bool = True
+    """yarn: round the band's bounds to whole dimensions (gpt-oss: false)."""
+    attention_factor: float | None = Field(default=None, gt=0)
+    """yarn: the cos/sin multiplier; empty: 0.1 ln(factor) + 1, as the YaRN paper and transformers."""
 
 
 class ModelConfig(_Section):
     """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU): the project's own GPT shape or,
-    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3, Qwen3-MoE and Mistral."""
+    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral and gpt-oss."""
 
     hf_dir: str | None = None
     """A Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or an s3:// prefix
@@ -74,8 +84,8 @@ class ModelConfig(_Section):
     """Where an s3:// model.hf_dir is downloaded, once per node (shared or NVMe storage); empty:
     $FSDP_MODEL_CACHE, else ~/.cache/fsdp-cluster/models."""
     family: str = "gpt"
-    """The config.json `model_type` (llama, mistral, qwen2, qwen3, qwen3_moe); gpt: the project's own model
-    (exported as llama, which it is shaped like)."""
+    """The config.json `model_type` (llama, mistral, qwen2, qwen3, qwen3_moe, gpt_oss); gpt: the project's
+    own model (exported as llama, which it is shaped like)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Tokens in the vocabulary (embedding and output projection rows)."""
     dim: int = Field(default=2048, ge=8)
@@ -95,7 +105,7 @@ class ModelConfig(_Section):
     rope_theta: float = Field(default=10000.0, gt=0)
     """Base of the rotary embedding frequencies."""
     rope_scaling: RopeScaling | None = None
-    """Llama 3.1-style rotary scaling; empty: none."""
+    """Llama 3.1 or YaRN rotary scaling; empty: none."""
     norm_eps: float = Field(default=1e-5, gt=0)
     """RMSNorm epsilon."""
     qkv_bias: bool = False
@@ -107,7 +117,14 @@ class ModelConfig(_Section):
     tie_embeddings: bool = False
     """The output projection is the input embedding (Llama 3.2 1B/3B)."""
     sliding_window: int | None = Field(default=None, ge=1)
-    """Mistral's attention window: sequences longer than it are refused (not implemented)."""
+    """Sliding-window attention: a token attends to itself and the sliding_window - 1 tokens before it
+    in the blocks model.sliding_layers names (Mistral: every block; gpt-oss: every other)."""
+    sliding_layers: list[int] | None = None
+    """The blocks (0-based) with the sliding window; empty: every block when sliding_window is set.
+    From a config.json: its layer_types entries that are sliding_attention."""
+    attention_sinks: bool = False
+    """gpt-oss's attention sinks: a learned logit per query head that joins every softmax
+    denominator (attention can go nowhere), then is dropped."""
     init_std: float = Field(default=0.02, gt=0)
     """Standard deviation of the normal weight initialisation (models trained from scratch)."""
     n_experts: int = Field(default=0, ge=0)
@@ -126,6 +143,17 @@ class ModelConfig(_Section):
     moe_layers: list[int] | None = None
     """The sparse blocks (0-based); empty: every block when n_experts > 0. From a config.json: the
     blocks not in mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step."""
+    router_bias: bool = False
+    """A bias on the router's logits (gpt-oss)."""
+    expert_kind: Literal["swiglu", "gpt_oss"] = "swiglu"
+    """swiglu: each expert a SwiGLU triple of its own (Qwen3-MoE's per-expert weights). gpt_oss: the
+    experts stacked as gpt-oss stores them (gate_up_proj [experts, dim, 2 x moe_ffn_dim] with gate and
+    up interleaved, down_proj, both with biases) with its clamped SwiGLU (swiglu_alpha, swiglu_limit)."""
+    swiglu_alpha: float = Field(default=1.702, gt=0)
+    """gpt_oss experts: the gate's activation is gate * sigmoid(swiglu_alpha * gate)."""
+    swiglu_limit: float = Field(default=7.0, gt=0)
+    """gpt_oss experts: gate clamped to at most swiglu_limit, up to +-swiglu_limit, before the product
+    (up + 1) * activation."""
 
     @model_validator(mode="after")
     def _heads_fit(self) -> ModelConfig:
@@ -148,10 +176,15 @@ class ModelConfig(_Section):
             problems.append(Problem("model.n_active_experts", self.n_active_experts,
                                     f"is more than model.n_experts={self.n_experts}",
                                     "route each token to at most n_experts experts"))
-        bad = [i for i in self.moe_layers or [] if not 0 <= i < self.n_layers]
-        if bad:
-            problems.append(Problem("model.moe_layers", bad, f"are not blocks 0..{self.n_layers - 1}",
-                                    "list block indices below model.n_layers"))
+        block_lists = (("model.moe_layers", self.moe_layers), ("model.sliding_layers", self.sliding_layers))
+        for key, layers in block_lists:
+            bad = [i for i in layers or [] if not 0 <= i < self.n_layers]
+            if bad:
+                problems.append(Problem(key, bad, f"are not blocks 0..{self.n_layers - 1}",
+                                        "list block indices below model.n_layers"))
+        if self.sliding_layers and not self.sliding_window:
+            problems.append(Problem("model.sliding_layers", self.sliding_layers, "needs model.sliding_window",
+                                    "set model.sliding_window (tokens), or remove model.sliding_layers"))
         if problems:
             raise ConfigError(problems)
         return self
@@ -159,6 +192,12 @@ class ModelConfig(_Section):
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block `layer` has the mixture of experts instead of the dense feed-forward."""
         return self.n_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        """Whether block `layer` attends within model.sliding_window tokens."""
+        if self.sliding_window is None:
+            return False
+        return self.sliding_layers is None or layer in self.sliding_layers
 
     @property
     def expert_ffn_dim(self) -> int:
@@ -192,9 +231,13 @@ class ModelConfig(_Section):
         q, kv = self.n_heads * self.head_size, self.kv_heads * self.head_size
         attention = self.dim * (q + 2 * kv) + q * self.dim
         attention += (q + 2 * kv) * self.qkv_bias + self.dim * self.o_bias + 2 * self.head_size * self.qk_norm
+        attention += self.n_heads * self.attention_sinks
         sparse = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         dense_ffn = 3 * self.dim * self.ffn_dim
-        moe_ffn = experts * 3 * self.dim * self.expert_ffn_dim + self.n_experts * self.dim  # + router
+        expert = 3 * self.dim * self.expert_ffn_dim
+        if self.expert_kind == "gpt_oss":
+            expert += 2 * self.expert_ffn_dim + self.dim  # the gate_up and down biases
+        moe_ffn = experts * expert + self.n_experts * (self.dim + self.router_bias)  # + router
         per_layer = attention + 2 * self.dim
         output = 0 if self.tie_embeddings else self.dim * self.vocab_size
         return (self.n_layers * per_layer + (self.n_layers - sparse) * dense_ffn + sparse * moe_ffn
@@ -397,11 +440,6 @@ class TrainConfig(_Section):
             problems.append(Problem("data.seq_len", self.data.seq_len,
                                     f"is longer than model.max_seq_len={self.model.max_seq_len}",
                                     "shorten data.seq_len or raise model.max_seq_len"))
-        if self.model.sliding_window and self.data.seq_len > self.model.sliding_window:
-            problems.append(Problem("data.seq_len", self.data.seq_len,
-                                    f"is longer than the model's sliding window {self.model.sliding_window} "
-                                    "(model.sliding_window, not implemented)",
-                                    f"use data.seq_len <= {self.model.sliding_window}"))
         if self.eval.interval and not self.eval.path:
             problems.append(Problem("eval.path", None, f"is required when eval.interval={self.eval.interval}",
                                     "point it at held-out jsonl/parquet documents, or set eval.interval=0"))

@@ -1,9 +1,9 @@
 """A decoder-only transformer: RMSNorm, rotary position embeddings, SwiGLU feed-forward, in one
 configurable block that covers the project's own GPT and the Hugging Face Llama, Qwen2, Qwen3 and
 Mistral families (optional q/k/v and output biases, q/k RMSNorm, explicit head size, tied embeddings,
-Llama 3.1 rope scaling), and Qwen3-MoE, whose sparse blocks swap the feed-forward for the mixture of
-experts of trainer/moe.py. Parameter names are the project's; trainer/hf/adapter.py maps them to and from
-the Hugging Face names.
+Llama 3.1 and YaRN rope scaling, sliding-window layers, attention sinks), and the mixtures of experts
+of Qwen3-MoE and gpt-oss, whose sparse blocks swap the feed-forward for trainer/moe.py. Parameter
+names are the project's; trainer/hf/adapter.py maps them to and from the Hugging Face names.
 
 Rotary embeddings rotate the two halves of each head (x[:d/2], x[d/2:]), the layout Hugging Face
 checkpoints are stored in: loading is then a pure renaming, read slice by slice, where the
@@ -63,14 +63,44 @@ def scaled_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tenso
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_inv_freq(inv_freq: torch.Tensor, theta: float, scaling: RopeScaling) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: dimensions that rotate more than beta_fast
+    times over the original context keep their frequency, those rotating fewer than beta_slow times
+    are divided by factor, a linear ramp between; and the cos/sin multiplier (attention_factor)."""
+    dim = 2 * inv_freq.shape[0]
+
+    def dimension(rotations: float) -> float:
+        """The dimension whose wavelength fits `rotations` times into the original context."""
+        wavelengths = scaling.original_max_seq_len / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a one-point band: avoid dividing by zero
+    index = torch.arange(dim // 2, device=inv_freq.device, dtype=torch.float32)
+    ramp = ((index - low) / (high - low)).clamp(0, 1)
+    scaled = inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+    factor = scaling.attention_factor
+    if factor is None:
+        factor = 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0
+    return scaled, factor
+
+
 def rotary_tables(cfg: ModelConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, [max_seq_len, head_size / 2], in fp32."""
+    """cos and sin of every position's angles, [max_seq_len, head_size / 2], in fp32 (YaRN scales
+    both by its attention factor)."""
     half = cfg.head_size // 2
     inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half)
-    if cfg.rope_scaling is not None:
+    magnitude = 1.0
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type == "yarn":
+        inv_freq, magnitude = yarn_inv_freq(inv_freq, cfg.rope_theta, cfg.rope_scaling)
+    elif cfg.rope_scaling is not None:
         inv_freq = scaled_inv_freq(inv_freq, cfg.rope_scaling)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return angles.cos() * magnitude, angles.sin() * magnitude
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,11 +112,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
 
 
-def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Causal attention within each packed document: [batch, 1, seq, seq], True = may attend."""
-    seq = document_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+def attention_mask(seq_len: int, device: torch.device | str, document_ids: torch.Tensor | None = None,
+                   window: int | None = None) -> torch.Tensor | None:
+    """Who may attend to whom, [batch or 1, 1, seq, seq] (True = may): causal, within each packed
+    document, and within `window` tokens (the query and the window - 1 before it). None for a plain
+    causal sequence, which SDPA handles without a mask."""
+    if document_ids is None and window is None:
+        return None
+    index = torch.arange(seq_len, device=device)
+    allowed = index[None, :] <= index[:, None]
+    if window is not None:
+        allowed = allowed & (index[:, None] - index[None, :] < window)
+    allowed = allowed[None, None]
+    if document_ids is not None:
+        allowed = allowed & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    return allowed
+
+
+def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+    """gpt-oss attention, q/k/v [batch, heads, seq, head_size]: each head's softmax gets one more logit,
+    its learned sink, which is then dropped, so the weights on the real keys sum to less than one.
+    Computed in full (scores in fp32), as SDPA has no sink; the fused path (FlexAttention's log-sum-exp
+    scaled by sigmoid(lse - sink)) has no backward on CPU, where the tests run."""
+    b, heads, seq, head_size = q.shape
+    groups = heads // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if mask is None:
+        mask = attention_mask(seq, q.device, window=seq)
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(head_size)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, seq, 1)
+    weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return weights.to(v.dtype) @ v
 
 
 class Attention(nn.Module):
@@ -103,6 +161,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -113,11 +172,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
-        # Packed documents pass an explicit mask (causal within each document); otherwise the causal
-        # flag lets SDPA pick its fastest kernel.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, is_causal=mask is None,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.sinks is not None:
+            out = attention_with_sinks(q, k, v, self.sinks, mask)
+        else:
+            # Packed documents and sliding windows pass an explicit mask; otherwise the causal flag
+            # lets SDPA pick its fastest kernel.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -138,11 +200,9 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        if cfg.is_moe_layer(layer_id):
-            self.feed_forward = MoEFeedForward(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts,
-                                               cfg.n_active_experts, cfg.norm_topk_prob)
-        else:
-            self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
+        # Attends within cfg.sliding_window tokens (the Transformer passes this block that mask).
+        self.sliding = cfg.is_sliding_layer(layer_id)
         # Set by parallelize: recompute this block's activations in backward instead of storing them.
         self.activation_checkpointing = False
 
@@ -181,10 +241,14 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[None, : tokens.shape[1]], self.rope_sin[None, : tokens.shape[1]]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = None if document_ids is None else attention_mask(document_ids)
+        seq = tokens.shape[1]
+        full_mask = attention_mask(seq, tokens.device, document_ids)
+        window_mask = None
+        if any(layer.sliding for layer in self.layers) and self.cfg.sliding_window < seq:
+            window_mask = attention_mask(seq, tokens.device, document_ids, self.cfg.sliding_window)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, window_mask if layer.sliding and window_mask is not None else full_mask)
         return self.output(self.norm(h))
 
     def moe_blocks(self) -> list[MoEFeedForward]:
@@ -214,10 +278,10 @@ class Transformer(nn.Module):
                 continue  # LoRA's own initialisation (trainer/lora.py)
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 param.zero_()
             else:
-                std = out_std if name.endswith(("wo.weight", "w2.weight")) else self.cfg.init_std
+                std = out_std if name.endswith(("wo.weight", "w2.weight", "down_proj")) else self.cfg.init_std
                 fill_normal(param, std, seed, name)
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -236,12 +300,14 @@ def fill_normal(param: torch.Tensor, std: float, seed: int, name: str) -> None:
     rows = local.shape[0]
     if rows == 0:
         return
+    # A stacked-experts tensor's "row" is a whole expert matrix: one stream each.
+    rows_per_chunk = INIT_CHUNK_ROWS if param.ndim < 3 else 1
     gen = torch.Generator(device=local.device)
-    first, last = row0 // INIT_CHUNK_ROWS, (row0 + rows - 1) // INIT_CHUNK_ROWS
+    first, last = row0 // rows_per_chunk, (row0 + rows - 1) // rows_per_chunk
     total_rows = param.shape[0]
     for chunk in range(first, last + 1):
-        start = chunk * INIT_CHUNK_ROWS
-        chunk_rows = min(INIT_CHUNK_ROWS, total_rows - start)
+        start = chunk * rows_per_chunk
+        chunk_rows = min(rows_per_chunk, total_rows - start)
         gen.manual_seed(stream_seed(seed, name, chunk))
         values = torch.randn((chunk_rows, *local.shape[1:]), generator=gen, device=local.device,
                              dtype=torch.float32)

@@ -1,18 +1,20 @@
-"""A mixture-of-experts feed-forward (Qwen3-MoE's sparse block), used by the blocks that
+"""The mixture-of-experts feed-forward of Qwen3-MoE and gpt-oss, used by the blocks that
 ModelConfig.is_moe_layer names; the other blocks keep the dense SwiGLU of trainer/model.py.
 
-Per token: router logits (a linear layer without bias) -> softmax over all experts (fp32) -> the
-top-k probabilities -> renormalised to sum to 1 when `norm_topk_prob` -> the weighted sum of the k
-chosen experts' SwiGLU outputs. Experts are one nn.Linear triple each (w1/w3/w2, the dense block's
-names), so a checkpoint's `mlp.experts.{e}.gate_proj.weight` loads by renaming alone
-(trainer/hf/adapter.py), slice by slice.
+Per token: router logits (a linear layer, with a bias for gpt-oss) -> softmax over all experts (fp32)
+-> the top-k probabilities -> renormalised to sum to 1 when `norm_topk_prob` (gpt-oss's softmax over
+the chosen experts' logits is exactly that) -> the weighted sum of the k chosen experts' outputs.
 
-Dispatch: the (token, slot) assignments are sorted by expert and each expert runs once on its
-contiguous run of tokens, in a Python loop over experts. That is correct everywhere and fine on CPU;
-the GPU path for later is one `torch._grouped_mm` over stacked expert weights with the same sorted
-layout (and expert parallelism: an all-to-all before and after it). Every expert runs, even on zero
-tokens, so every expert's weights get a (zero) gradient on every rank and FSDP's reduce-scatter sees
-the same parameters everywhere.
+Experts come in the layout each family's checkpoints use, so loading is a renaming, slice by slice
+(trainer/hf/adapter.py): Qwen3-MoE's one SwiGLU triple per expert (ExpertList), gpt-oss's stacked
+tensors with biases and its clamped SwiGLU (StackedExperts, the grouped-GEMM layout).
+
+Dispatch: the (token, slot) assignments are sorted by expert, so each expert's tokens are one
+contiguous run; the experts run on their runs (a loop, or for stacked experts on CUDA in bf16 two
+`torch._grouped_mm` calls), and the outputs are added back to their tokens weighted by the router.
+Every expert runs, even on zero tokens, so every expert's weights get a (zero) gradient on every rank
+and FSDP's reduce-scatter sees the same parameters everywhere. Expert parallelism (an all-to-all
+before and after the experts) is not built yet: FSDP all-gathers every expert.
 
 Load balancing: each forward records, per MoE block, how many assignments each expert got and the
 sum of the router probabilities; `router_aux_loss` combines them over the blocks exactly as
@@ -27,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.config import ModelConfig
+
 
 class Expert(nn.Module):
     """One SwiGLU expert: w2(silu(w1 x) * w3 x)."""
@@ -39,6 +43,60 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ExpertList(nn.ModuleList):
+    """Qwen3-MoE's experts, a SwiGLU triple each (`experts.{e}.w1`...), as its checkpoints store them."""
+
+    def forward(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert on its run of `routed` (rows sorted by expert, counts[e] rows for expert e)."""
+        chunks = routed.split(counts.tolist())
+        return torch.cat([expert(chunk) for expert, chunk in zip(self, chunks, strict=True)])
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation of the interleaved [gate0, up0, gate1, up1, ...] projection."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+class StackedExperts(nn.Module):
+    """gpt-oss's experts, stacked as its checkpoints store them: gate_up_proj [experts, dim, 2 x ffn]
+    (x @ W, gate and up columns interleaved), down_proj [experts, ffn, dim], each with a bias. The
+    stacked layout is the one grouped GEMM takes, and FSDP shards it by expert."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * ffn_dim))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, dim))
+
+    def forward(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if routed.is_cuda and routed.dtype == torch.bfloat16:
+            return self.grouped(routed, counts)
+        return self.looped(routed, counts)
+
+    def looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One matmul pair per expert (any device and dtype; the backward torch has on CPU)."""
+        outputs = []
+        for e, chunk in enumerate(routed.split(counts.tolist())):
+            gate_up = chunk @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
+            outputs.append(hidden @ self.down_proj[e] + self.down_proj_bias[e])
+        return torch.cat(outputs)
+
+    def grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """All experts in two grouped GEMMs (torch._grouped_mm: CUDA bf16 for training; CPU has the
+        forward only), the run lengths staying on the device (no host sync)."""
+        ends = torch.cumsum(counts, 0).to(torch.int32)
+        expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=routed.device), counts,
+                                                output_size=routed.shape[0])
+        gate_up = torch._grouped_mm(routed, self.gate_up_proj, offs=ends)
+        gate_up = gate_up + self.gate_up_proj_bias[expert_of_row]
+        hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
+        return torch._grouped_mm(hidden, self.down_proj, offs=ends) + self.down_proj_bias[expert_of_row]
 
 
 @dataclass
@@ -65,11 +123,16 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, dim: int, moe_ffn_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_experts, self.top_k, self.norm_topk_prob = n_experts, top_k, norm_topk_prob
-        self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(dim, moe_ffn_dim) for _ in range(n_experts))
+        self.n_experts, self.top_k = cfg.n_experts, cfg.n_active_experts
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=cfg.router_bias)
+        if cfg.expert_kind == "gpt_oss":
+            self.experts = StackedExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts, cfg.swiglu_alpha,
+                                          cfg.swiglu_limit)
+        else:
+            self.experts = ExpertList(Expert(cfg.dim, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
         self.stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,15 +145,8 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(expert_of, stable=True)
         counts = torch.bincount(expert_of, minlength=self.n_experts)
         token_of = order // self.top_k
-        routed = flat[token_of]
-        gate = weights.reshape(-1)[order, None]
-        out = torch.zeros_like(flat)
-        # One host sync for the run lengths; the grouped-GEMM path would take the counts on device.
-        start = 0
-        for expert, n in zip(self.experts, counts.tolist(), strict=True):
-            rows = slice(start, start + n)
-            out.index_add_(0, token_of[rows], (expert(routed[rows]) * gate[rows]).to(out.dtype))
-            start += n
+        outputs = self.experts(flat[token_of], counts) * weights.reshape(-1)[order, None]
+        out = torch.zeros_like(flat).index_add_(0, token_of, outputs.to(flat.dtype))
         self.stats = RouterStats(counts.float().detach(), probs.sum(dim=0), flat.shape[0])
         return out.reshape(shape)
 

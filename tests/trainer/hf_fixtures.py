@@ -7,11 +7,12 @@ shapes, rope conventions, tied embeddings and shard indexes are exactly what the
 reference losses with transformers' own modelling code in fp32 with eager attention (stable to ~1e-6 on
 CPU), for the trainer's numbers to be compared against.
 
-Everything is seeded and small: a model has 2 layers (qwen3-moe: one dense, one of 8 experts, top-2),
-hidden 64, a ~400-token byte-level BPE vocabulary, and builds, saves and evaluates in well under 2 s on
-CPU. Biases and norm weights are random rather than
-0/1, so a loader that skips them changes the loss and is caught. Shards are kept small
-(max_shard_size="60KB") so every checkpoint has several *.safetensors files and an index.
+Everything is seeded and small: a model has 2 layers (qwen3-moe: one dense, one of 8 experts, top-2;
+gpt-oss: a sliding-window block and a full one, 4 stacked experts, top-2, YaRN, sinks), hidden 64, a
+~400-token byte-level BPE vocabulary, and builds, saves and evaluates in well under 2 s on CPU.
+Biases and norm weights are random rather than 0/1, so a loader that skips them changes the loss and
+is caught. Shards are kept small (max_shard_size="60KB") so every checkpoint has several
+*.safetensors files and an index.
 
 transformers, tokenizers and safetensors are test-only dependencies: import this module only from tests.
 """
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "llama-tied", "qwen2", "qwen3", "mistral", "qwen3-moe")
+# Built by make_model too, tested on its own (tests/trainer/test_gpt_oss.py).
+GPT_OSS = "gpt-oss"
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -153,7 +156,14 @@ def load_tokenizer(directory: Path):
 
 def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int, eos: int, pad: int,
             dtype: torch.dtype, init_std: float):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -197,8 +207,22 @@ def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int,
                               norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
                               router_aux_loss_coef=0.01, output_router_logits=False)
     if family == "mistral":
+        # A window shorter than the tests' sequences, so that every block's sliding window matters.
         return MistralConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                             tie_word_embeddings=False, sliding_window=None)
+                             tie_word_embeddings=False, sliding_window=16)
+    if family == GPT_OSS:
+        # Everything gpt-oss adds, active at the tests' 64-token sequences: block 0 slides over 8
+        # tokens, block 1 is full; YaRN x4 stretches wavelengths beyond 16 positions (not truncated, as
+        # gpt-oss); a head_dim other than hidden / heads; 4 stacked experts of 32, top-2; a clamp
+        # limit low enough to cut some gate and up values (gpt-oss's 7 would never bind at this init).
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return GptOssConfig(**{**common, "intermediate_size": 32, "max_position_embeddings": 64}, head_dim=24,
+                            rope_parameters=rope, sliding_window=8, layer_types=layer_types,
+                            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.5,
+                            tie_word_embeddings=False, router_aux_loss_coef=0.01, output_router_logits=False,
+                            attention_bias=True)
     raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
 
 
@@ -224,8 +248,11 @@ def make_model(family: str, directory: Path, *, dtype: torch.dtype = torch.bfloa
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith("bias"):  # gpt-oss's stacked experts: gate_up_proj_bias, down_proj_bias
                 p.copy_(BIAS_STD * torch.randn(p.shape, generator=gen))
+            elif name.endswith("sinks"):
+                # Sinks about as large as the attention logits: they take a real share of each softmax.
+                p.copy_(torch.randn(p.shape, generator=gen))
             elif "norm" in name.rsplit(".", 2)[-2]:
                 p.copy_(1.0 + NORM_STD * torch.randn(p.shape, generator=gen))
     model = model.to(dtype)

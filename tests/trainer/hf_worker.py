@@ -43,12 +43,16 @@ def _config(model_dir: str, docs: str | None = None):
 
 
 def reference_grads(reference) -> dict[str, torch.Tensor]:
-    """transformers' gradients by checkpoint key: transformers 5 keeps a MoE block's experts stacked
-    in memory (`mlp.experts.gate_up_proj` [E, 2 x ffn, hidden], gate rows first; `mlp.experts.down_proj`
-    [E, hidden, ffn]) and saves them per expert (`mlp.experts.{e}.gate_proj.weight`, ...)."""
+    """transformers' gradients by checkpoint key: transformers 5 keeps a Qwen3-MoE block's experts
+    stacked in memory (`mlp.experts.gate_up_proj` [E, 2 x ffn, hidden], gate rows first;
+    `mlp.experts.down_proj` [E, hidden, ffn]) and saves them per expert (`mlp.experts.{e}.gate_proj.weight`,
+    ...); gpt-oss saves its stacked experts as they are."""
+    per_expert = reference.config.model_type == "qwen3_moe"
     out = {}
     for name, param in reference.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if not per_expert:
+            out[name] = param.grad
+        elif name.endswith("mlp.experts.gate_up_proj"):
             prefix = name.removesuffix("gate_up_proj")
             for e, g in enumerate(param.grad):
                 gate, up = g.chunk(2, dim=0)
@@ -77,7 +81,7 @@ def grads(model_dir: str, docs_path: str, out: str) -> None:
     part = source.samples(rows)
     logits = model(part.inputs, part.positions, part.document_ids)
     (token_nll_sum(logits, part.targets) * dist.get_world_size() / counted).backward()
-    ours = {to_hf(name): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+    ours = {to_hf(name, cfg.model.family): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
             for name, p in model.named_parameters()}
     if dist.get_rank() == 0:
         reference = load_reference(Path(model_dir))

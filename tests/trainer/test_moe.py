@@ -22,7 +22,7 @@ import torch
 from tests.trainer.conftest import assert_ok, torchrun
 from tests.trainer.hf_fixtures import load_reference, make_model, reference_eval
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
-from trainer.config import load_config
+from trainer.config import ModelConfig, load_config
 from trainer.errors import ConfigError
 from trainer.hf.adapter import from_hf, to_hf
 from trainer.hf.config import architecture_from_dict
@@ -64,15 +64,15 @@ def test_config_fields_and_counts(moe):
     # FLOPs count the active parameters: 2 of the 8 experts.
     attention = 6 * 2 * 4 * (2 * 24) * 64
     assert cfg.flops_per_token(64) == 6 * (cfg.active_params - cfg.embedding_params) + attention
-    names = {to_hf(n) for n, _ in model.named_parameters()}
+    names = {to_hf(n, "qwen3_moe") for n, _ in model.named_parameters()}
     assert names == set(json.loads((moe / "model.safetensors.index.json").read_text())["weight_map"])
-    assert all(to_hf(from_hf(n)) == n for n in names)
+    assert all(to_hf(from_hf(n), "qwen3_moe") == n for n in names)
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("shared_expert_intermediate_size", 64, "shared expert"),
     ("router_jitter_noise", 0.1, "router noise"),
-    ("model_type", "gpt_oss", "mixture-of-experts"),
+    ("model_type", "mixtral", "mixture-of-experts"),
 ])
 def test_unsupported_moe_fields_are_refused_by_name(moe, field, value, words):
     with pytest.raises(ConfigError) as e:
@@ -90,7 +90,7 @@ def test_lora_on_moe_is_refused(moe):
 def _ours_from_theirs(block) -> MoEFeedForward:
     """Our MoE block with the weights of transformers' Qwen3MoeSparseMoeBlock."""
     n, two_f, dim = block.experts.gate_up_proj.shape
-    ours = MoEFeedForward(dim, two_f // 2, n, block.gate.top_k, block.gate.norm_topk_prob)
+    ours = MoEFeedForward(_moe_config(dim, two_f // 2, n, block.gate.top_k, block.gate.norm_topk_prob))
     with torch.no_grad():
         ours.router.weight.copy_(block.gate.weight)
         for e, expert in enumerate(ours.experts):
@@ -99,6 +99,11 @@ def _ours_from_theirs(block) -> MoEFeedForward:
             expert.w3.weight.copy_(up)
             expert.w2.weight.copy_(block.experts.down_proj[e])
     return ours
+
+
+def _moe_config(dim: int, ffn: int, experts: int, top_k: int, norm_topk_prob: bool) -> ModelConfig:
+    return ModelConfig(dim=dim, n_heads=4, moe_ffn_dim=ffn, n_experts=experts, n_active_experts=top_k,
+                       norm_topk_prob=norm_topk_prob)
 
 
 def test_router_and_block_equal_transformers(moe):
@@ -214,8 +219,6 @@ def test_estimate_counts_the_experts(moe):
 def test_aux_loss_gradient_reaches_the_router(checkpointing):
     """The aux loss of a forward (read after it, as train_step does) back-propagates into the routers,
     the same with activation checkpointing (recomputed blocks) as without."""
-    from trainer.config import ModelConfig
-
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=32,
                       n_experts=4, n_active_experts=2, moe_ffn_dim=16, moe_layers=[1])
     grads = {}
@@ -238,7 +241,7 @@ def test_aux_loss_gradient_reaches_the_router(checkpointing):
 
 
 def test_an_expert_without_tokens_still_gets_a_zero_gradient():
-    block = MoEFeedForward(8, 4, n_experts=4, top_k=2, norm_topk_prob=False)
+    block = MoEFeedForward(_moe_config(8, 4, experts=4, top_k=2, norm_topk_prob=False))
     with torch.no_grad():
         block.router.weight.zero_()
         block.router.weight[:2] = 1.0  # experts 0 and 1 win for every positive input

@@ -60,6 +60,21 @@ def test_hf_preset_parameter_count(name):
     assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params == HF_PRESETS[name]
 
 
+# The model card's totals (116.83B and 20.91B, experts included) and active parameters per token
+# (5.13B and 3.61B, the input embedding excluded, the output projection counted).
+GPT_OSS_PRESETS = {"gpt-oss-120b": (116.83e9, 5.13e9), "gpt-oss-20b": (20.91e9, 3.61e9)}
+
+
+@pytest.mark.parametrize("name", sorted(GPT_OSS_PRESETS))
+def test_gpt_oss_preset_parameter_counts(name):
+    cfg = load_config(name)
+    model = build_model(cfg.model)
+    total, active = GPT_OSS_PRESETS[name]
+    assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params
+    assert cfg.model.num_params == pytest.approx(total, rel=5e-4)
+    assert cfg.model.active_params - cfg.model.embedding_params == pytest.approx(active, rel=5e-3)
+
+
 def test_llama32_1b_ties_its_embeddings():
     cfg = load_config("finetune", ["model.hf_config=llama3.2-1b", "data.path=unused.jsonl"])
     model = build_model(cfg.model)

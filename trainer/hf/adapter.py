@@ -1,6 +1,7 @@
 """The state-dict adapter: the trainer's parameter names to and from the Hugging Face names of the
-Llama-style families (llama, mistral, qwen2, qwen3 share them; qwen3_moe adds its router and
-per-expert projections), and LoRA adapters to PEFT's names.
+Llama-style families (llama, mistral, qwen2, qwen3 share them; qwen3_moe adds its router `gate` and
+per-expert projections; gpt_oss its `router`, stacked experts and attention sinks), and LoRA adapters
+to PEFT's names.
 
 The rotary layout needs no mapping: the model rotates halves as the checkpoints store them
 (trainer/model.py), so every tensor is read and written as it is, slice by slice.
@@ -29,6 +30,14 @@ _BLOCK = {
 _MOE = {"router": "gate", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _EXPERT = re.compile(r"^feed_forward\.experts\.(\d+)\.(w1|w2|w3)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)$")
+# Tensors without a .weight/.bias suffix, the same name on both sides: gpt-oss's sinks and stacked experts.
+_UNSUFFIXED = {"attention.sinks": "self_attn.sinks",
+               **{f"feed_forward.experts.{n}": f"mlp.experts.{n}"
+                  for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}}
+_UNSUFFIXED_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
+_HF_UNSUFFIXED_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# The router's module: Qwen3-MoE calls it gate, gpt-oss router.
+_ROUTER = {"gpt_oss": "mlp.router"}
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
@@ -45,16 +54,20 @@ class UnknownParameter(KeyError):
     """A name the adapter has no mapping for."""
 
 
-def to_hf(name: str) -> str:
-    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def to_hf(name: str, family: str) -> str:
+    """`layers.3.attention.wq.weight` -> `model.layers.3.self_attn.q_proj.weight` (family: the
+    config.json model_type, which names the router)."""
     if name in _TOP:
         return _TOP[name]
+    unsuffixed = _UNSUFFIXED_NAME.match(name)
+    if unsuffixed is not None and unsuffixed.group(2) in _UNSUFFIXED:
+        return f"model.layers.{unsuffixed.group(1)}.{_UNSUFFIXED[unsuffixed.group(2)]}"
     match = _BLOCK_NAME.match(name)
     if match is None or match.group(3) not in ("weight", "bias"):
         raise UnknownParameter(name)
     layer, module, kind = match.groups()
     if module == "feed_forward.router":
-        return f"model.layers.{layer}.mlp.gate.{kind}"
+        return f"model.layers.{layer}.{_ROUTER.get(family, 'mlp.gate')}.{kind}"
     expert = _EXPERT.match(module)
     if expert is not None:
         return f"model.layers.{layer}.mlp.experts.{expert.group(1)}.{_MOE[expert.group(2)]}.{kind}"
@@ -68,11 +81,15 @@ def from_hf(name: str) -> str:
     for ours, theirs in _TOP.items():
         if name == theirs:
             return ours
+    unsuffixed = _HF_UNSUFFIXED_NAME.match(name)
+    reverse_unsuffixed = {theirs: ours for ours, theirs in _UNSUFFIXED.items()}
+    if unsuffixed is not None and unsuffixed.group(2) in reverse_unsuffixed:
+        return f"layers.{unsuffixed.group(1)}.{reverse_unsuffixed[unsuffixed.group(2)]}"
     match = _HF_BLOCK_NAME.match(name)
     if match is None:
         raise UnknownParameter(name)
     layer, module, kind = match.groups()
-    if module == "mlp.gate":
+    if module in ("mlp.gate", "mlp.router"):
         return f"layers.{layer}.feed_forward.router.{kind}"
     expert = _HF_EXPERT.match(module)
     if expert is not None:

@@ -5,21 +5,28 @@ The families share one block (trainer/model.py); what differs is read here:
 | model_type | q/k/v bias | output bias | q/k norm | head size | rope |
 |---|---|---|---|---|---|
 | llama   | attention_bias | attention_bias | - | head_dim or hidden/heads | default, llama3 |
-| mistral | - | - | - | head_dim or hidden/heads | default (sliding_window: sequences up to it) |
+| mistral | - | - | - | head_dim or hidden/heads | default |
 | qwen2   | always | - | - | hidden/heads | default |
 | qwen3   | attention_bias | attention_bias | yes | head_dim | default |
 | qwen3_moe | attention_bias | attention_bias | yes | head_dim | default |
+| gpt_oss | attention_bias (true) | attention_bias (true) | - | head_dim | yarn |
+
+Sliding-window layers come from layer_types (transformers 5 writes it for every family; gpt-oss:
+every other block), else from Mistral's sliding_window (every block), else from Qwen2/3's
+use_sliding_window (the blocks from max_window_layers on).
 
 qwen3_moe adds the mixture of experts (trainer/moe.py): num_experts (transformers 5 writes
 num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, and which blocks are
 sparse (not in mlp_only_layers, (index + 1) a multiple of decoder_sparse_step; the others keep the
-dense intermediate_size feed-forward). router_aux_loss_coef counts when output_router_logits is true,
-as in transformers. Shared experts and router noise are refused by name.
+dense intermediate_size feed-forward). gpt_oss makes every block sparse with num_local_experts
+stacked experts of intermediate_size (biases, clamped SwiGLU: swiglu_alpha, swiglu_limit), a router
+with a bias, and attention sinks. router_aux_loss_coef counts when output_router_logits is true, as
+in transformers. Shared experts and router noise are refused by name.
 
 Both spellings of the rotary settings are read: transformers 4 writes `rope_theta` + `rope_scaling`,
 transformers 5 `rope_parameters`. Anything this trainer would compute differently from transformers
-(another activation, MLP biases, a rope type it does not implement, sliding-window layers) is refused
-before any process group starts, naming the config.json field.
+(another activation, MLP biases, a rope type it does not implement) is refused before any process
+group starts, naming the config.json field.
 """
 
 from __future__ import annotations
@@ -31,9 +38,9 @@ from typing import Any
 
 from trainer.errors import ConfigError, Problem
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # The next mixture-of-experts families: named in the refusal so users know they are coming, not mistyped.
-MOE_FAMILIES = ("gpt_oss", "mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
 # Mixture-of-experts fields this trainer does not implement: refused when set (non-zero, non-empty).
 _UNSUPPORTED_MOE_FIELDS = {
     "shared_expert_intermediate_size": "a shared expert",
@@ -116,10 +123,28 @@ def _rope(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str,
                                "low_freq_factor": float(scaling.get("low_freq_factor", 1.0)),
                                "high_freq_factor": float(scaling.get("high_freq_factor", 4.0)),
                                "original_max_seq_len": int(original)}
+    elif rope_type == "yarn":
+        original = scaling.get("original_max_position_embeddings")
+        # transformers' rule for a missing factor: the context stretch itself.
+        stretch = raw.get("max_position_embeddings", 0) / original if original else 0
+        factor = scaling.get("factor") or stretch
+        if not factor or not original:
+            problems.append(Problem(f"{where}: {field}", scaling, "has rope_type yarn without factor or "
+                                    "original_max_position_embeddings", "restore the model's config.json"))
+            return out
+        if scaling.get("mscale") or scaling.get("mscale_all_dim") or scaling.get("partial_rotary_factor"):
+            problems.append(Problem(f"{where}: {field}", scaling, "sets mscale, mscale_all_dim or "
+                                    "partial_rotary_factor, which this trainer's YaRN does not implement",
+                                    "use a model without them (gpt-oss has none)"))
+            return out
+        out["rope_scaling"] = {"type": "yarn", "factor": float(factor), "original_max_seq_len": int(original),
+                               "beta_fast": float(scaling.get("beta_fast") or 32.0),
+                               "beta_slow": float(scaling.get("beta_slow") or 1.0),
+                               "truncate": bool(scaling.get("truncate", True)),
+                               "attention_factor": scaling.get("attention_factor")}
     elif rope_type != "default":
         problems.append(Problem(f"{where}: {field}.rope_type", rope_type, "is a rotary scaling this trainer "
-                                "does not implement", "use a model with rope_type default or llama3 "
-                                "(YaRN comes with the gpt-oss support)"))
+                                "does not implement", "use a model with rope_type default, llama3 or yarn"))
     return out
 
 
@@ -148,6 +173,50 @@ def _moe(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, 
             "router_aux_loss_coef": coef, "moe_layers": sparse}
 
 
+def _gpt_oss_moe(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, Any]:
+    """gpt-oss: every block sparse, stacked experts with biases and the clamped SwiGLU, a router bias,
+    attention sinks."""
+    experts = raw.get("num_local_experts")
+    top_k = raw.get("num_experts_per_tok", raw.get("experts_per_token"))
+    bad = [(name, value) for name, value in (("num_local_experts", experts), ("num_experts_per_tok", top_k))
+           if not isinstance(value, int) or value < 1]
+    if bad:
+        problems.extend(Problem(f"{where}: {name}", value, "is missing or not a positive integer",
+                                "restore the model's config.json") for name, value in bad)
+        return {}
+    coef = float(raw.get("router_aux_loss_coef") or 0.0) if raw.get("output_router_logits") else 0.0
+    return {"n_experts": experts, "n_active_experts": top_k, "moe_ffn_dim": raw["intermediate_size"],
+            "norm_topk_prob": True, "router_bias": True, "expert_kind": "gpt_oss",
+            "swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(raw.get("swiglu_limit", 7.0)),
+            "router_aux_loss_coef": coef, "attention_sinks": True}
+
+
+def _sliding(raw: dict[str, Any], family: str, problems: list[Problem], where: str) -> dict[str, Any]:
+    """sliding_window and sliding_layers from layer_types, Mistral's sliding_window or Qwen's
+    use_sliding_window."""
+    n_layers = raw["num_hidden_layers"]
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown or len(layer_types) != n_layers:
+            problems.append(Problem(f"{where}: layer_types", unknown or len(layer_types),
+                                    f"must be {n_layers} entries of full_attention or sliding_attention",
+                                    "restore the model's config.json"))
+            return {}
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    elif family == "mistral" and raw.get("sliding_window"):
+        sliding = list(range(n_layers))
+    elif raw.get("use_sliding_window"):
+        sliding = list(range(raw.get("max_window_layers", 0), n_layers))
+    else:
+        sliding = []
+    if not sliding or not raw.get("sliding_window"):
+        return {}
+    return {"sliding_window": int(raw["sliding_window"]),
+            "sliding_layers": None if len(sliding) == n_layers else sliding}
+
+
 def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
     problems: list[Problem] = []
     family = raw.get("model_type")
@@ -166,12 +235,7 @@ def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
     if raw.get("mlp_bias"):
         problems.append(Problem(f"{where}: mlp_bias", True, "asks for feed-forward biases, which this "
                                 "trainer does not implement", "use a model without MLP biases"))
-    layer_types = raw.get("layer_types") or []
-    if raw.get("use_sliding_window") or any(t != "full_attention" for t in layer_types):
-        problems.append(Problem(f"{where}: use_sliding_window", raw.get("use_sliding_window", layer_types),
-                                "asks for sliding-window attention layers, which this trainer does not "
-                                "implement", "use the model with use_sliding_window false"))
-    attention_bias = bool(raw.get("attention_bias", False))
+    attention_bias = bool(raw.get("attention_bias", family == "gpt_oss"))
     fields: dict[str, Any] = {
         "family": family,
         "vocab_size": raw["vocab_size"],
@@ -191,8 +255,9 @@ def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
     }
     if family == "qwen3_moe":
         fields.update(_moe(raw, problems, where))
-    if family == "mistral" and raw.get("sliding_window"):
-        fields["sliding_window"] = int(raw["sliding_window"])
+    if family == "gpt_oss":
+        fields.update(_gpt_oss_moe(raw, problems, where))
+    fields.update(_sliding(raw, family, problems, where))
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
     if dtype not in DTYPE_NAMES:
         problems.append(Problem(f"{where}: torch_dtype", dtype, "is not a dtype the trainer exports",

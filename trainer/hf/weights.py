@@ -3,7 +3,12 @@
 In: `check_weights` (before any process group) reads only the safetensors headers and the index and
 refuses a directory that cannot fill the model, naming the file and the tensor; `load_weights` then
 lets DCP's HuggingFaceStorageReader copy each rank's rows of each tensor straight from the files
-(safetensors slices) into the rank's shard, converting the dtype on the way.
+(safetensors slices) into the rank's shard, converting the dtype on the way. gpt-oss's experts as the
+Hub ships them, MXFP4 (`*_blocks` 4-bit values in groups of 32, `*_scales` a power-of-two exponent per
+group, stored [experts, out, in]), are read by each rank for its own experts only (safetensors slices of
+the blocks and scales), dequantised one expert at a time and transposed into the [experts, in, out]
+parameter. (torch 2.13's QuantizedHuggingFaceStorageReader returned wrong values for such a tensor in
+tests/trainer/test_gpt_oss.py, against transformers' own dequantisation.)
 
 Out: `export_model` writes every rank's rows with HuggingFaceStorageWriter (all ranks in parallel),
 consolidates them into `model-0000N-of-0000M.safetensors` with each rank writing its share of the
@@ -55,6 +60,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Output shards of about this size, as transformers' save_pretrained cuts them.
 EXPORT_SHARD_BYTES = 5 * 10**9
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# MXFP4: 32 values share one exponent (a byte, biased by 127); two 4-bit values per byte, low nibble
+# first, each a sign bit and an FP4 (E2M1) magnitude.
+MXFP4_GROUP = 32
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @dataclass(frozen=True)
@@ -109,17 +118,41 @@ def read_tensor_table(model_dir: Path) -> dict[str, TensorHeader]:
     return table
 
 
+def is_mxfp4(hf_name: str, table: dict[str, TensorHeader]) -> bool:
+    """The tensor is stored quantised (`{name}_blocks` + `{name}_scales`) instead of as itself."""
+    return hf_name not in table and f"{hf_name}_blocks" in table and f"{hf_name}_scales" in table
+
+
+def _mxfp4_problem(hf_name: str, shape: tuple[int, ...], table: dict[str, TensorHeader],
+                   model_dir: Path) -> Problem | None:
+    """Whether `{name}_blocks`/`_scales` can fill a stacked [experts, in, out] parameter."""
+    blocks, scales = table[f"{hf_name}_blocks"], table[f"{hf_name}_scales"]
+    if len(shape) != 3 or shape[1] % MXFP4_GROUP:
+        return Problem("model.hf_dir", f"{model_dir}/{blocks.file}", f"stores {hf_name} as MXFP4, which this "
+                       f"trainer reads only for stacked experts with rows in groups of {MXFP4_GROUP} (shape "
+                       f"{list(shape)})", "use bf16 weights for this tensor")
+    experts, rows_in, cols_out = shape
+    groups = rows_in // MXFP4_GROUP
+    want_blocks, want_scales = (experts, cols_out, groups, MXFP4_GROUP // 2), (experts, cols_out, groups)
+    if blocks.shape != want_blocks or scales.shape != want_scales or {blocks.dtype, scales.dtype} != {"U8"}:
+        return Problem("model.hf_dir", f"{model_dir}/{blocks.file}",
+                       f"holds {hf_name}_blocks {blocks.dtype}{list(blocks.shape)} and _scales "
+                       f"{scales.dtype}{list(scales.shape)}; the config.json needs U8{list(want_blocks)} "
+                       f"and U8{list(want_scales)}", "use the weights that belong to this config.json")
+    return None
+
+
 def check_weights(model: Transformer, model_dir: Path) -> None:
     """Before any process group: every parameter the model loads is in the files with its shape."""
     table = read_tensor_table(model_dir)
     problems = []
-    for name, param in model.named_parameters():
-        if is_lora(name):
-            continue
-        hf_name = to_hf(name)
+    for hf_name, param in base_parameters(model).items():
         header = table.get(hf_name)
-        if header is None:
-            problems.append(Problem("model.hf_dir", str(model_dir), f"has no tensor {hf_name} (for {name})",
+        if header is None and is_mxfp4(hf_name, table):
+            problem = _mxfp4_problem(hf_name, tuple(param.shape), table, model_dir)
+            problems.extend([problem] if problem else [])
+        elif header is None:
+            problems.append(Problem("model.hf_dir", str(model_dir), f"has no tensor {hf_name}",
                                     "use the weights that belong to this config.json"))
         elif header.shape != tuple(param.shape):
             problems.append(Problem("model.hf_dir", f"{model_dir}/{header.file}",
@@ -128,8 +161,8 @@ def check_weights(model: Transformer, model_dir: Path) -> None:
                                     "config.json"))
         elif header.dtype not in SAFETENSORS_DTYPES:
             problems.append(Problem("model.hf_dir", f"{model_dir}/{header.file}", f"stores {hf_name} as "
-                                    f"{header.dtype}", "use bf16, fp16 or fp32 weights (quantised weights "
-                                    "are not read)"))
+                                    f"{header.dtype}", "use bf16, fp16 or fp32 weights (of quantised "
+                                    "weights only gpt-oss's MXFP4 experts are read)"))
     if problems:
         raise ConfigError(problems)
 
@@ -137,15 +170,45 @@ def check_weights(model: Transformer, model_dir: Path) -> None:
 def base_parameters(model: Transformer) -> dict[str, torch.Tensor]:
     """The model's own (non-adapter) parameters by their Hugging Face names. Tied embeddings appear
     once, as the input embedding, which is how save_pretrained stores them."""
-    return {to_hf(name): param for name, param in model.named_parameters() if not is_lora(name)}
+    return {to_hf(name, model.cfg.family): param for name, param in model.named_parameters()
+            if not is_lora(name)}
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., groups, 16] uint8 codes and [..., groups] uint8 exponents -> [..., groups x 32] fp32."""
+    table = torch.tensor(FP4_MAGNITUDES + tuple(-v for v in FP4_MAGNITUDES), device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
+    values = torch.ldexp(table[codes], (scales.to(torch.int32) - 127)[..., None])
+    return values.flatten(-2)
+
+
+def _load_mxfp4(param: torch.Tensor, hf_name: str, table: dict[str, TensorHeader], model_dir: Path) -> None:
+    """This rank's experts of a stacked [experts, in, out] parameter from `{name}_blocks`/`_scales`
+    ([experts, out, in / 32, 16] and [experts, out, in / 32]), one expert at a time."""
+    from safetensors import safe_open
+
+    local = param.to_local() if isinstance(param, DTensor) else param
+    rows = _local_rows(param)
+    blocks_file, scales_file = (model_dir / table[f"{hf_name}_{part}"].file for part in ("blocks", "scales"))
+    with safe_open(blocks_file, "pt") as blocks_f, safe_open(scales_file, "pt") as scales_f:
+        blocks, scales = blocks_f.get_slice(f"{hf_name}_blocks"), scales_f.get_slice(f"{hf_name}_scales")
+        for i, expert in enumerate(range(rows.start, rows.stop)):
+            values = dequantize_mxfp4(blocks[expert:expert + 1], scales[expert:expert + 1])[0]
+            local[i].copy_(values.transpose(0, 1))
 
 
 def load_weights(model: Transformer, model_dir: Path, log: Callable[[str], None]) -> None:
     """Collective: fill every rank's shards from the files (DCP reads each rank's slices only)."""
     started = time.monotonic()
-    state = {name: param.detach() for name, param in base_parameters(model).items()}
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(model_dir)))
-    log(f"model: loaded {len(state)} tensors from {model_dir} in {time.monotonic() - started:.1f}s "
+    table = read_tensor_table(model_dir)
+    params = {name: param.detach() for name, param in base_parameters(model).items()}
+    quantized = {name: param for name, param in params.items() if is_mxfp4(name, table)}
+    plain = {name: param for name, param in params.items() if name not in quantized}
+    dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(model_dir)))
+    for name, param in quantized.items():
+        _load_mxfp4(param, name, table, model_dir)
+    mxfp4 = f", {len(quantized)} of them dequantised from MXFP4" if quantized else ""
+    log(f"model: loaded {len(params)} tensors from {model_dir}{mxfp4} in {time.monotonic() - started:.1f}s "
         "(each rank read its own rows)")
 
 
@@ -180,7 +243,7 @@ def export_state(model: Transformer, dtype: torch.dtype, merge_lora: bool) -> di
     state = {}
     merged = {}
     if merge_lora:
-        merged = {to_hf(f"{name}.weight"): module for name, module in model.named_modules()
+        merged = {to_hf(f"{name}.weight", model.cfg.family): module for name, module in model.named_modules()
                   if isinstance(module, LoRALinear)}
     for hf_name, param in base_parameters(model).items():
         state[hf_name] = _merged(merged[hf_name], dtype) if hf_name in merged else param.detach().to(dtype)
@@ -209,11 +272,14 @@ def hf_config_dict(model_cfg: ModelConfig, architecture: HFArchitecture | None, 
         raw = dict(architecture.raw)
         key = "dtype" if "dtype" in raw and "torch_dtype" not in raw else "torch_dtype"
         raw[key] = dtype_name
+        # The export's experts are plain tensors of dtype_name, whatever the source's quantisation.
+        raw.pop("quantization_config", None)
         return raw
     if model_cfg.n_experts:
         raise ConfigError([Problem("model.n_experts", model_cfg.n_experts, "has no Hugging Face export for "
                                    "the project's own model (exports of it are Llama configs)",
-                                   "fine-tune a qwen3_moe model from model.hf_dir, or export no HF copy")])
+                                   "fine-tune a qwen3_moe or gpt_oss model from model.hf_dir, or export "
+                                   "no HF copy")])
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": model_type_of(model_cfg.family),
         "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.dim,
