@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from trainer.checkpoint import CheckpointConfig
 from trainer.errors import ConfigError, Problem, yaml_problem
@@ -603,6 +603,19 @@ def _problems_from_validation(err: ValidationError) -> list[Problem]:
 _MODEL_USAGE_KEYS = {"hf_dir", "hf_config", "cache_dir", "max_seq_len", "init_std", "router_aux_loss_coef"}
 
 
+def _same_value(name: str, given: Any, derived: Any) -> bool:
+    """Whether a model key's value equals config.json's once both are read as the field's type (a saved
+    run lists every key of a nested section such as rope_scaling, defaults included)."""
+    field = ModelConfig.model_fields.get(name)
+    if field is None or given == derived:
+        return given == derived
+    adapter = TypeAdapter(field.annotation)
+    try:
+        return adapter.validate_python(given) == adapter.validate_python(derived)
+    except ValidationError:
+        return False
+
+
 def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
     """The model section with its shape taken from config.json (model.hf_dir, else model.hf_config).
     An s3:// model.hf_dir is downloaded first (once per node, see trainer/hf/fetch.py) and replaced
@@ -623,11 +636,12 @@ def _with_hf_architecture(model: dict[str, Any]) -> dict[str, Any]:
     architecture = read_architecture(location, key)
     # A key config.json does not set keeps its default (a saved run's config lists every key).
     defaults = {name: info.default for name, info in ModelConfig.model_fields.items()}
+    derived = {name: architecture.model_fields.get(name, defaults.get(name)) for name in model}
     clashes = [Problem(f"model.{name}", model[name], f"is set by {architecture.source} ({key})",
                        f"remove it (config.json says {architecture.model_fields.get(name)!r}), or start "
                        "from a config without a model shape (--config finetune)")
                for name in model if name not in _MODEL_USAGE_KEYS
-               and model[name] != architecture.model_fields.get(name, defaults.get(name))]
+               and not _same_value(name, model[name], derived[name])]
     if clashes:
         raise ConfigError(clashes)
     return {**architecture.model_fields, **model}
