@@ -102,10 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the trainer config whose memory fit to show (default: the spec's trainer.config; "
                          "e.g. gpt-7b)")
 
-    sp = cmd("preflight", "Check quotas, offerings, AMI, key pair, subnets and reservations with real "
-             "credentials, before anything is created.", cluster=False)
-    spec_argument(sp)
+    sp = cmd("preflight", "Check quotas, offerings, AMI, key pair, subnets, reservations and IAM permissions "
+             "with real credentials, before anything is created.", cluster=False)
+    sp.add_argument("spec", type=Path, metavar="SPEC", nargs="?",
+                    help="the cluster spec YAML (docs/cluster-spec.md); optional with --print-policy")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--print-policy", action="store_true",
+                    help="print the IAM policy the aws target needs and exit (no credentials needed; with "
+                         "SPEC, its role statements name only that cluster's roles)")
 
     sp = cmd("up", "Create the cluster (AWS through Pulumi, or local nodes) and write its inventory.",
              cluster=False)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import boto3
 import pytest
 from botocore.stub import Stubber
+from moto.core import DEFAULT_ACCOUNT_ID, enable_iam_authentication
 
 from fsdpctl import cli
 from fsdpctl.errors import CommandError
-from fsdpctl.targets.aws import preflight
+from fsdpctl.targets.aws import permissions, preflight
 from fsdpctl.targets.aws.clients import AwsClients
 
 from .conftest import REGION, Ec2Extras, make_spec, seed_image
@@ -302,9 +304,11 @@ def test_denied_actions_are_listed_with_the_simulated_principal(aws, dlami, iam_
     iam_simulation.denied = {"iam:PassRole", "ec2:CreateCapacityReservation"}
     report = preflight.run_preflight(spec_with_image(), aws, out=lambda _: None)
     [finding] = findings_of(report, "IAM permissions (simulated)")
-    assert "is not allowed ec2:CreateCapacityReservation, iam:PassRole" in finding.message
-    assert "docs/aws.md" in finding.fix
-    assert iam_simulation.principals == [aws.sts.get_caller_identity()["Arn"]]
+    assert "is not allowed ec2:CreateCapacityReservation, iam:PassRole (" in finding.message
+    assert "--print-policy" in finding.fix and "docs/aws.md" in finding.fix
+    # One simulation per scope of the policy, all of the caller.
+    assert set(iam_simulation.principals) == {aws.sts.get_caller_identity()["Arn"]}
+    assert len(iam_simulation.principals) == len(permissions.simulation_requests("pf", "aws", "1"))
 
 
 def test_a_caller_that_may_not_simulate_skips_the_permission_check(aws, dlami, iam_simulation):
@@ -325,13 +329,22 @@ def test_principal_to_simulate(caller, principal):
     assert preflight.principal_arn(caller) == principal
 
 
-def test_required_actions_are_listed_in_the_docs():
-    from pathlib import Path
+def docs_action_rows() -> list[str]:
+    """docs/aws.md's "IAM policy" table rows: per service, every action the policy grants."""
+    by_service: dict[str, list[str]] = {}
+    for action in permissions.required_actions():
+        by_service.setdefault(action.split(":")[0], []).append(f"`{action}`")
+    return [f"| {service} | {', '.join(actions)} |" for service, actions in sorted(by_service.items())]
 
+
+def test_required_actions_are_listed_in_the_docs():
     docs = (Path(__file__).resolve().parents[2] / "docs" / "aws.md").read_text()
-    missing = [a for a in preflight.REQUIRED_ACTIONS if f"`{a}`" not in docs]
-    assert not missing, missing
-    assert "`iam:PassRole`" in docs
+    section = docs[docs.index("### IAM policy"):]
+    section = section[:section.index("\n## ")]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "`" in line]
+    assert rows == docs_action_rows(), "list permissions.required_actions() by service in docs/aws.md"
+    for scope in permissions.SCOPES:
+        assert f"`{scope.sid}`" in section
 
 
 def test_root_volume_smaller_than_the_ami_snapshot_is_refused(aws, dlami, monkeypatch):
@@ -383,3 +396,105 @@ def test_open_spot_requests_count_against_the_spot_quota(aws, dlami):
     assert "with 96 already in use" in finding.message
     result = next(r for r in report.results if r.name == "service quota (vCPUs)")
     assert "96 in use (96 by open spot requests)" in result.outcome.detail
+
+
+class MotoPolicySimulation:
+    """iam:SimulatePrincipalPolicy (which moto lacks) answered by moto's own policy engine, the one
+    behind its IAM enforcement, over the simulated user's attached and inline policies: Action and
+    Resource are matched, a StringEquals condition is tested against the request's context entries.
+    Where moto stops: it evaluates no other condition operator, takes a condition key the request
+    lacks as met, and knows no service control policy or permissions boundary. A caller whose own
+    policies do not allow iam:SimulatePrincipalPolicy is refused, as AWS refuses it."""
+
+    def __init__(self, client, access_key_id: str):
+        self.access_key_id = access_key_id
+        events = client.meta.events
+        events.register("before-parameter-build.iam.SimulatePrincipalPolicy", Ec2Extras._keep_params)
+        events.register("before-call.iam.SimulatePrincipalPolicy",
+                        lambda context, **_: self._answer(context["fake_params"]))
+
+    def _decision(self, action: str, resource: str, context: dict[str, str]) -> str:
+        from moto.iam.access_control import IAMPolicy, IAMUserAccessKey, PermissionResult
+
+        policies = IAMUserAccessKey(DEFAULT_ACCOUNT_ID, "aws", self.access_key_id, {}).collect_policies()
+        results = {IAMPolicy(p).is_action_permitted(action, resource, incoming_condition_values=context)
+                   for p in policies}
+        if PermissionResult.DENIED in results:
+            return "explicitDeny"
+        return "allowed" if PermissionResult.PERMITTED in results else "implicitDeny"
+
+    def _answer(self, params):
+        source = params["PolicySourceArn"]
+        if self._decision("iam:SimulatePrincipalPolicy", source, {}) != "allowed":
+            return Ec2Extras._error("AccessDenied", f"{source} is not authorized to perform "
+                                    "iam:SimulatePrincipalPolicy")
+        context = {e["ContextKeyName"]: e["ContextKeyValues"][0] for e in params.get("ContextEntries", [])}
+        return Ec2Extras._ok({"IsTruncated": False, "EvaluationResults": [
+            {"EvalActionName": action, "EvalResourceName": resource,
+             "EvalDecision": self._decision(action, resource, context)}
+            for action in params["ActionNames"] for resource in params.get("ResourceArns") or ["*"]]})
+
+
+def newcomer(document: dict, monkeypatch) -> AwsClients:
+    """A user with only `document` attached, as a customer managed policy (moto validates it as IAM
+    does), and AwsClients on that user's own access key."""
+    iam = boto3.client("iam", region_name=REGION)
+    iam.create_user(UserName="newcomer")
+    arn = iam.create_policy(PolicyName="fsdpctl", PolicyDocument=json.dumps(document))["Policy"]["Arn"]
+    iam.attach_user_policy(UserName="newcomer", PolicyArn=arn)
+    key = iam.create_access_key(UserName="newcomer")["AccessKey"]
+    session = boto3.Session(aws_access_key_id=key["AccessKeyId"],
+                            aws_secret_access_key=key["SecretAccessKey"], region_name=REGION)
+    simulated_iam = session.client("iam", region_name=REGION)
+    MotoPolicySimulation(simulated_iam, key["AccessKeyId"])
+    monkeypatch.setattr(AwsClients, "iam", property(lambda _: simulated_iam))
+    return AwsClients(session)
+
+
+def without(document: dict, action: str) -> dict:
+    """The policy with one action taken out (and a statement left empty by it)."""
+    statements = [{**s, "Action": [a for a in s["Action"] if a != action]} for s in document["Statement"]]
+    return {**document, "Statement": [s for s in statements if s["Action"]]}
+
+
+def test_a_newcomer_with_the_generated_policy_passes_preflight(aws, dlami, monkeypatch):
+    clients = newcomer(permissions.policy_document(), monkeypatch)
+    stub_quota(clients, 384)
+    # From here on moto refuses every call the user's policy does not allow.
+    with enable_iam_authentication():
+        report = preflight.run_preflight(spec_with_image(), clients, out=lambda _: None)
+    assert report.ok, report.failure_text()
+    check = next(r for r in report.results if r.name == "IAM permissions (simulated)")
+    assert check.status == "pass"
+    # Every action once; PassRole once per role of the cluster, CreateServiceLinkedRole once per service.
+    requests = len(permissions.required_actions()) - 2 + 2 + len(permissions.SERVICE_LINKED_ROLE_SERVICES)
+    assert check.outcome.detail == (f"arn:aws:iam::{DEFAULT_ACCOUNT_ID}:user/newcomer: {requests}/{requests} "
+                                    "simulated requests allowed")
+
+
+@pytest.mark.parametrize(("action", "reported", "failing_check"), [
+    ("ssm:GetParameter", "ssm:GetParameter", "AMI resolves (x86_64)"),
+    ("iam:PassRole", f"iam:PassRole on arn:aws:iam::{DEFAULT_ACCOUNT_ID}:role/pf-node-*", None),
+    ("iam:CreateServiceLinkedRole", "iam:CreateServiceLinkedRole (iam:AWSServiceName spot.amazonaws.com)",
+     None),
+    ("ec2:ModifyCapacityReservation", "ec2:ModifyCapacityReservation", None),
+])
+def test_a_policy_missing_one_action_is_reported(aws, dlami, monkeypatch, action, reported, failing_check):
+    clients = newcomer(without(permissions.policy_document(), action), monkeypatch)
+    stub_quota(clients, 384)
+    with enable_iam_authentication():
+        report = preflight.run_preflight(spec_with_image(), clients, out=lambda _: None)
+    [finding] = findings_of(report, "IAM permissions (simulated)")
+    assert f" {reported}" in finding.message and "--print-policy" in finding.fix
+    # Moto's enforcement agrees: the check that calls the action fails on it.
+    failed = {r.name for r in report.results if r.status == "fail"}
+    assert failed == {"IAM permissions (simulated)"} | ({failing_check} if failing_check else set())
+
+
+def test_a_newcomer_who_may_not_simulate_skips_only_that_check(aws, dlami, monkeypatch):
+    clients = newcomer(without(permissions.policy_document(), "iam:SimulatePrincipalPolicy"), monkeypatch)
+    stub_quota(clients, 384)
+    with enable_iam_authentication():
+        report = preflight.run_preflight(spec_with_image(), clients, out=lambda _: None)
+    check = next(r for r in report.results if r.name == "IAM permissions (simulated)")
+    assert check.status == "skip" and "--print-policy" in check.outcome.detail and report.ok

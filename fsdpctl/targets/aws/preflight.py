@@ -6,7 +6,8 @@ ask the read-only describe APIs first and report every problem at once, each wit
 
 Each check is a function `(spec, aws) -> Outcome` registered in CHECKS; `run_preflight` runs them
 all (one failing API call fails only its own check) and `fsdpctl preflight SPEC.yaml` prints a
-pass/fail table.
+pass/fail table. The permission check simulates the caller's policies over the actions of
+fsdpctl/targets/aws/permissions.py, whose policy document `fsdpctl preflight --print-policy` prints.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from dataclasses import dataclass, field
 import botocore.exceptions
 
 from fsdpctl.console import error, print_json, say, warn
-from fsdpctl.errors import EXIT_FAILED, EXIT_OK
+from fsdpctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+from fsdpctl.targets.aws import permissions
 from fsdpctl.targets.aws.clients import AwsClients, error_code, error_text
 from infra import catalog
+from infra.offline import region_partition
 from infra.spec import CLUSTER_TAG, CapacityType, ClusterSpec, load_spec
 
 # Service Quotas codes (EC2, counted in vCPUs, per region). Instances in an On-Demand Capacity
@@ -471,60 +474,6 @@ def check_fsx_bucket(spec: ClusterSpec, aws: AwsClients) -> Outcome:
     return Outcome(", ".join(seen), findings)
 
 
-# What `fsdpctl up`/`down` call (directly or through the Pulumi AWS provider), as docs/aws.md lists
-# them; checked with iam:SimulatePrincipalPolicy where the caller may simulate its own policies.
-REQUIRED_ACTIONS = (
-    # pre-flight, sweep and lookups
-    "ec2:DescribeInstanceTypes", "ec2:DescribeInstanceTypeOfferings", "ec2:DescribeInstances",
-    "ec2:DescribeImages", "ec2:DescribeCapacityReservations", "ec2:DescribeSpotInstanceRequests",
-    "ec2:DescribeKeyPairs", "servicequotas:GetServiceQuota", "ssm:GetParameter", "sts:GetCallerIdentity",
-    "tag:GetResources",
-    # network
-    "ec2:CreateVpc", "ec2:ModifyVpcAttribute", "ec2:CreateSubnet", "ec2:CreateInternetGateway",
-    "ec2:AttachInternetGateway", "ec2:AllocateAddress", "ec2:CreateNatGateway", "ec2:CreateRouteTable",
-    "ec2:CreateRoute", "ec2:AssociateRouteTable", "ec2:CreateVpcEndpoint",
-    "ec2:CreateSecurityGroup", "ec2:AuthorizeSecurityGroupIngress", "ec2:AuthorizeSecurityGroupEgress",
-    "ec2:CreateTags",
-    # compute
-    "ec2:CreatePlacementGroup", "ec2:CreateLaunchTemplate", "ec2:CreateLaunchTemplateVersion",
-    "ec2:CreateCapacityReservation", "ec2:ImportKeyPair", "ec2:RunInstances",
-    # identity: the node role and its instance profile; PassRole for the profile (RunInstances)
-    # and for the expiry schedules' role (CreateSchedule)
-    "iam:CreateRole", "iam:PutRolePolicy", "iam:AttachRolePolicy", "iam:CreateInstanceProfile",
-    "iam:AddRoleToInstanceProfile", "iam:PassRole", "iam:TagRole",
-    # storage
-    "s3:CreateBucket", "s3:PutBucketVersioning", "s3:PutLifecycleConfiguration",
-    "s3:PutEncryptionConfiguration", "s3:PutBucketPublicAccessBlock", "s3:PutBucketTagging",
-    "fsx:CreateFileSystem", "fsx:CreateDataRepositoryAssociation", "fsx:TagResource",
-    # expiry
-    "scheduler:CreateScheduleGroup", "scheduler:CreateSchedule", "scheduler:TagResource",
-    # down
-    "ec2:TerminateInstances", "ec2:DeleteNatGateway", "ec2:ReleaseAddress", "ec2:DeleteVpcEndpoints",
-    "ec2:DeleteSubnet", "ec2:DeleteRouteTable", "ec2:DeleteSecurityGroup", "ec2:DeleteVpc",
-    "ec2:DetachInternetGateway", "ec2:DeleteInternetGateway", "ec2:DeleteLaunchTemplate",
-    "ec2:DeletePlacementGroup", "ec2:CancelCapacityReservation", "ec2:DeleteKeyPair",
-    "iam:DeleteRole", "iam:DeleteRolePolicy", "iam:DetachRolePolicy", "iam:DeleteInstanceProfile",
-    "iam:RemoveRoleFromInstanceProfile", "s3:DeleteBucket", "s3:DeleteObject", "s3:DeleteObjectVersion",
-    "fsx:DeleteFileSystem", "scheduler:DeleteSchedule", "scheduler:DeleteScheduleGroup",
-    # what pulumi refresh, previews and updates read back (every later `up`, `extend`, `replace`)
-    "ec2:DescribeVpcs", "ec2:DescribeVpcAttribute", "ec2:DescribeSubnets", "ec2:DescribeInternetGateways",
-    "ec2:DescribeAddresses", "ec2:DescribeNatGateways", "ec2:DescribeRouteTables", "ec2:DescribeVpcEndpoints",
-    "ec2:DescribeSecurityGroups", "ec2:DescribeSecurityGroupRules", "ec2:DescribePlacementGroups",
-    "ec2:DescribeLaunchTemplates", "ec2:DescribeLaunchTemplateVersions", "ec2:DescribeInstanceAttribute",
-    "ec2:DescribeNetworkInterfaces", "ec2:DescribeVolumes", "ec2:DescribeTags",
-    "iam:GetRole", "iam:GetRolePolicy", "iam:ListRolePolicies", "iam:ListAttachedRolePolicies",
-    "iam:GetInstanceProfile", "iam:ListInstanceProfilesForRole",
-    "s3:ListBucket", "s3:GetBucketVersioning", "s3:GetLifecycleConfiguration",
-    "s3:GetEncryptionConfiguration", "s3:GetBucketPublicAccessBlock", "s3:GetBucketTagging",
-    "s3:ListBucketVersions",
-    "fsx:DescribeFileSystems", "fsx:DescribeDataRepositoryAssociations",
-    "scheduler:GetSchedule", "scheduler:GetScheduleGroup",
-    # changes in place: `extend` and an expired cluster's `up` move the schedules; template updates
-    "scheduler:UpdateSchedule", "ec2:ModifyLaunchTemplate", "ec2:RevokeSecurityGroupIngress",
-    "ec2:RevokeSecurityGroupEgress", "ec2:DeleteTags",
-    # the sweep's listings (roles and profiles are found by name prefix)
-    "iam:ListRoles", "iam:ListInstanceProfiles",
-)
 DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation")
 
 
@@ -551,23 +500,46 @@ def check_permissions(spec: ClusterSpec, aws: AwsClients) -> Outcome:
         except botocore.exceptions.ClientError as e:
             if error_code(e) not in (*DENIED, "NoSuchEntity"):
                 raise
+    _, partition, _, _, account, _ = caller.split(":", 5)
+    results: list[tuple[permissions.SimulationRequest, dict]] = []
     try:
-        pages = aws.iam.get_paginator("simulate_principal_policy").paginate(
-            PolicySourceArn=principal, ActionNames=list(REQUIRED_ACTIONS))
-        results = [r for page in pages for r in page["EvaluationResults"]]
+        for request in permissions.simulation_requests(spec.name, partition, account):
+            results += [(request, result) for result in _simulate(aws, principal, request)]
     except botocore.exceptions.ClientError as e:
         if error_code(e) not in DENIED:
             raise
-        return _skip(f"{principal} may not call iam:SimulatePrincipalPolicy; the actions needed are "
-                     "listed in docs/aws.md")
-    denied = sorted(r["EvalActionName"] for r in results if r["EvalDecision"] != "allowed")
-    detail = f"{principal}: {len(results) - len(denied)}/{len(results)} actions allowed"
+        return _skip(f"{principal} may not call iam:SimulatePrincipalPolicy; the policy it needs is "
+                     "printed by `fsdpctl preflight --print-policy` (docs/aws.md)")
+    denied = sorted({_denial(request, result) for request, result in results
+                     if result["EvalDecision"] != "allowed"})
+    allowed = sum(result["EvalDecision"] == "allowed" for _, result in results)
+    detail = f"{principal}: {allowed}/{len(results)} simulated requests allowed"
     if not denied:
         return Outcome(detail)
     return Outcome(detail, [Finding(
         f"the caller {principal} is not allowed {', '.join(denied)} (iam:SimulatePrincipalPolicy; a "
         "service control policy or permissions boundary may deny more)",
-        "allow them in the caller's IAM policy (docs/aws.md lists every action fsdpctl needs)")])
+        "attach the policy `fsdpctl preflight --print-policy` prints to the caller (docs/aws.md, "
+        "\"IAM policy\"), or allow these actions in its own policy")])
+
+
+def _simulate(aws: AwsClients, principal: str, request: permissions.SimulationRequest) -> list[dict]:
+    extra: dict = {}
+    if request.resource_arns:
+        extra["ResourceArns"] = list(request.resource_arns)
+    if request.context_key:
+        extra["ContextEntries"] = [{"ContextKeyName": request.context_key, "ContextKeyType": "string",
+                                    "ContextKeyValues": [request.context_value]}]
+    pages = aws.iam.get_paginator("simulate_principal_policy").paginate(
+        PolicySourceArn=principal, ActionNames=list(request.actions), **extra)
+    return [r for page in pages for r in page["EvaluationResults"]]
+
+
+def _denial(request: permissions.SimulationRequest, result: dict) -> str:
+    """The denied action, with the resource and condition value it was denied for, if any."""
+    resource = result.get("EvalResourceName", "*")
+    return (result["EvalActionName"] + ("" if resource == "*" else f" on {resource}")
+            + (f" ({request.context_key} {request.context_value})" if request.context_key else ""))
 
 
 def run_preflight(spec: ClusterSpec, aws: AwsClients, out: Callable[[str], None] = print) -> PreflightReport:
@@ -596,6 +568,11 @@ def run_preflight(spec: ClusterSpec, aws: AwsClients, out: Callable[[str], None]
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
+    if args.print_policy:
+        return print_policy(load_spec(args.spec) if args.spec else None)
+    if args.spec is None:
+        raise UsageError("preflight needs SPEC, the cluster spec to check (e.g. `fsdpctl preflight "
+                         "examples/demo.yaml`); `--print-policy` alone prints the IAM policy")
     spec = load_spec(args.spec)
     out = (lambda _line: None) if args.json else say
     out(f"pre-flight for cluster {spec.name}: {spec.node_count} x {spec.instance_type} in "
@@ -613,3 +590,13 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     error(f"\npre-flight failed, {len(report.findings)} problem(s); nothing was created:\n"
           f"{report.failure_text()}")
     return EXIT_FAILED
+
+
+def print_policy(spec: ClusterSpec | None) -> int:
+    """The IAM policy document on stdout, ready for `aws iam create-policy --policy-document`; no
+    AWS call. With a spec, its role statements name only that cluster's roles, in its partition."""
+    if spec is None:
+        say(permissions.policy_json())
+    else:
+        say(permissions.policy_json(cluster=spec.name, partition=region_partition(spec.region)[0]))
+    return EXIT_OK
