@@ -22,6 +22,7 @@ from fsdpctl.configure import stop_orphaned_playbooks
 from fsdpctl.console import confirm, line_buffered, print_json, say, warn
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.inventory import write_inventory
+from fsdpctl.plan.cost import amount_text
 from fsdpctl.state import ClusterRecord, ClusterState, Exclusion
 from infra.spec import ClusterSpec, load_spec
 
@@ -90,15 +91,21 @@ def cmd_up(args: Namespace) -> int:
                 state_mod.set_current(spec.name)
                 say(f"cluster {spec.name} is already up with {node_count} healthy node(s); nothing to do")
                 return 0
-            state_mod.write_kept(state.spec_path, args.spec.read_text())
-            state.update(node_count=node_count)
             state_mod.set_current(spec.name)
+            existing = True
         else:
             state = state_mod.create(args.spec, spec, target.NAME, node_count=node_count)
+            existing = False
+
+        def approve(question: str) -> None:
+            confirm(question, yes=args.yes, what="fsdpctl up")
+            if existing:  # the cluster's spec copy (what extend, replace and down read) changes on a yes
+                state_mod.write_kept(state.spec_path, args.spec.read_text())
+                state.update(node_count=node_count)
+
         try:
             with _sigterm_as_interrupt():
-                target.up(state, spec, node_count=node_count, out=say,
-                          approve=lambda question: confirm(question, yes=args.yes, what="fsdpctl up"))
+                target.up(state, spec, node_count=node_count, out=say, approve=approve)
         except BaseException:
             record = state.read()
             if record.local is None and record.pulumi_stack is None:  # nothing was created
@@ -157,7 +164,19 @@ def _summary(state: ClusterState, record: ClusterRecord) -> dict[str, Any]:
             "created_at": dt.datetime.fromtimestamp(record.created_at, dt.UTC).isoformat(timespec="seconds"),
             "age": _age(time.time() - record.created_at), "expires_at": record.expires_at,
             "expired": bool(record.expires_at) and expiry_text(record.expires_at).endswith("(EXPIRED)"),
-            "cost_per_hour": 0.0 if record.target == "local" else record.cost_per_hour}
+            "cost_per_hour": 0.0 if record.target == "local" else record.cost_per_hour,
+            "cost_per_hour_max": None if record.target == "local" else record.cost_per_hour_max,
+            # `up` recorded an estimate (the cluster may bill); without a total, its cap or nothing.
+            "cost_recorded": record.target == "aws" and record.pulumi_stack is not None}
+
+
+def _hourly(summary: dict[str, Any]) -> str:
+    """The list's USD/HOUR column: the estimate, "<=" its cap, "unknown", or "-" (none recorded)."""
+    if summary["cost_per_hour"] is not None:
+        return f"{summary['cost_per_hour']:,.2f}"
+    if summary["cost_per_hour_max"] is not None:
+        return f"<={summary['cost_per_hour_max']:,.2f}"
+    return "unknown" if summary["cost_recorded"] else "-"
 
 
 def cmd_status(args: Namespace) -> int:
@@ -183,11 +202,12 @@ def cmd_status(args: Namespace) -> int:
         else:
             say(f"expires at {expiry_text(record.expires_at, left=True)}; `fsdpctl extend --hours N` "
                 "moves it")
-    if summary["cost_per_hour"] and summary["expired"]:
-        say(f"cost: only the checkpoint bucket's S3 storage since the expiry (about "
-            f"{summary['cost_per_hour']:,.2f} USD per hour once `up` brings it back)")
-    elif summary["cost_per_hour"]:
-        say(f"cost: about {summary['cost_per_hour']:,.2f} USD per hour (the plan's known prices)")
+    hourly = amount_text(summary["cost_per_hour"], summary["cost_per_hour_max"]) + " per hour"
+    if summary["cost_recorded"] and summary["expired"]:
+        say(f"cost: only the checkpoint bucket's S3 storage since the expiry ({hourly} once `up` brings "
+            "it back)")
+    elif summary["cost_recorded"]:
+        say(f"cost: {hourly} (the plan's estimate at `up`; `fsdpctl plan` shows why)")
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
     _print_nodes(record)
@@ -223,7 +243,7 @@ def cmd_list(args: Namespace) -> int:
         if "error" in row:
             say(f"{mark} {row['name']:<20} {row['error']}")
             continue
-        cost = "-" if row["cost_per_hour"] is None or row["expired"] else f"{row['cost_per_hour']:,.2f}"
+        cost = "-" if row["expired"] else _hourly(row)
         say(f"{mark} {row['name']:<20} {row['target']:<6} {row['nodes']:>5} {row['age']:>7} "
             f"{expiry_text(row['expires_at']):<34} {cost:>9}")
     return 0

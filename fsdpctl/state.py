@@ -174,8 +174,13 @@ class ClusterRecord(_Record):
     stack_outputs: dict[str, Any] = {}
     expires_at: str | None = None
     """When the AWS-side expiry removes the cluster's billed resources (ISO 8601 UTC)."""
+    expiry_queue_url: str | None = None
+    """The expiry schedules' dead-letter queue (SQS): the calls that failed, which `status` reports."""
     cost_per_hour: float | None = None
-    """The plan's estimate at `up` (known prices only), for `fsdpctl list`."""
+    """The plan's hourly estimate at `up`, for `fsdpctl list`; None when a price is unknown (spot, a
+    Capacity Block, a type or region the price table lacks)."""
+    cost_per_hour_max: float | None = None
+    """The most it can cost per hour when the estimate is not exact (spot: at its max price)."""
     excluded: list[Exclusion] = []
     last_configure: ConfigureRecord | None = None
     last_report: str | None = None

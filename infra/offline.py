@@ -33,6 +33,9 @@ class Registration:
     # Resource options the engine would apply (from the registration request).
     ignore_changes: list[str] = field(default_factory=list)
     retain_on_delete: bool = False
+    # URNs of the resources it waits for (inputs it takes from them, and depends_on): the engine
+    # starts creating it only once they exist.
+    dependencies: list[str] = field(default_factory=list)
 
     @property
     def tags(self) -> dict[str, str]:
@@ -91,6 +94,8 @@ def _computed_state(typ: str, name: str, inputs: dict[str, Any]) -> dict[str, An
         state["rotationRfc3339"] = when.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
     elif typ == "aws:s3/bucket:Bucket":
         state["bucket"] = inputs.get("bucket") or f"{inputs.get('bucketPrefix', '')}<unique suffix>"
+    elif typ == "aws:sqs/queue:Queue":
+        state["url"] = placeholder(name, "url")
     return state
 
 
@@ -203,13 +208,14 @@ def run_offline(
 
     class RecordingMonitor(MockMonitor):
         """Pulumi's mock monitor, also keeping the options of each registration (ignoreChanges,
-        retainOnDelete), which the Mocks interface does not see."""
+        retainOnDelete) and its dependencies, which the Mocks interface does not see."""
 
-        options: dict[tuple[str, str], tuple[list[str], bool]] = {}
+        options: dict[tuple[str, str], tuple[list[str], bool, list[str]]] = {}
 
         def RegisterResource(self, request):  # the gRPC method name
             self.options[(request.type, request.name)] = (list(request.ignoreChanges),
-                                                          bool(request.retainOnDelete))
+                                                          bool(request.retainOnDelete),
+                                                          sorted(request.dependencies))
             return super().RegisterResource(request)
 
     mocks = mocks or RecordingMocks()
@@ -235,8 +241,8 @@ def run_offline(
     for record in mocks.registrations:
         record.urn = urns.get((record.type, record.name))
         record.component = _component_of(record.urn) if record.urn else None
-        record.ignore_changes, record.retain_on_delete = monitor.options.get(
-            (record.type, record.name), ([], False))
+        record.ignore_changes, record.retain_on_delete, record.dependencies = monitor.options.get(
+            (record.type, record.name), ([], False, []))
     parsed = spec if isinstance(spec, ClusterSpec) else parse_spec(spec)
     return OfflinePlan(spec=parsed, expires_at=expires_at, mocks=mocks, outputs=outputs)
 

@@ -34,7 +34,7 @@ RETEMPLATE_KEY = f"{PROJECT}:retemplate"
 OUTPUT_NAMES = (
     "nodes", "bastion_public_ip", "ssh_user", "checkpoint_bucket", "fsx_dns_name", "fsx_mount_name",
     "placement_group", "security_group_id", "vpc_id", "private_subnet_id", "ami_id", "key_name",
-    "expires_at",
+    "expires_at", "expiry_queue_url",
 )
 
 
@@ -84,11 +84,11 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
     values), keyed as OUTPUT_NAMES."""
     pinned = parse_expires_at(expires_at, spec)
     provider = aws.Provider(f"{spec.name}-aws", region=spec.region)
-    expiry: pulumi.Input[str] | None = None
+    expires: pulumi.Input[str] | None = None
     if spec.expiry_hours is not None:
-        expiry = pinned or expiry_clock(spec)
+        expires = pinned or expiry_clock(spec)
     partition = aws.get_partition(opts=pulumi.InvokeOptions(provider=provider))
-    ctx = ClusterContext(spec=spec, expires_at=expiry, provider=provider,
+    ctx = ClusterContext(spec=spec, expires_at=expires, provider=provider,
                          partition=partition.partition, reverse_dns_prefix=partition.reverse_dns_prefix)
     opts = pulumi.ResourceOptions(providers=[provider])
 
@@ -96,19 +96,17 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
     security = Security(ctx, network.vpc_id, opts=opts)
     storage = Storage(ctx, network.private_subnet_id, security.node_security_group_id, opts=opts)
     identity = Identity(ctx, storage.bucket_arn, opts=opts)
+    # Before Compute: the expiry of the NAT gateway and the file system must exist before any GPU
+    # capacity is bought (Compute adds the bastion's, the reservation's and each node's).
+    expiry = None if expires is None else Expiry(ctx, expires, BilledResources(
+        nat_gateway_id=network.nat_gateway_id, nat_allocation_id=network.nat_allocation_id,
+        file_system_id=storage.fsx_id), opts=opts)
     compute = Compute(
         ctx, private_subnet_id=network.private_subnet_id, public_subnet_id=network.public_subnet_id,
         node_security_group_id=security.node_security_group_id,
         bastion_security_group_id=security.bastion_security_group_id,
         instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name,
-        retemplate=retemplate, opts=opts)
-    if expiry is not None:
-        Expiry(ctx, expiry, BilledResources(
-            instance_ids=[node.id for node in compute.nodes]
-            + ([compute.bastion_id] if compute.bastion_id is not None else []),
-            nat_gateway_id=network.nat_gateway_id, nat_allocation_id=network.nat_allocation_id,
-            file_system_id=storage.fsx_id,
-            capacity_reservation_id=compute.capacity_reservation_id), opts=opts)
+        expiry=expiry, retemplate=retemplate, opts=opts)
 
     nodes = pulumi.Output.all(*[pulumi.Output.all(n.id, n.private_ip) for n in compute.nodes]).apply(
         lambda pairs: [
@@ -129,7 +127,8 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
         "private_subnet_id": network.private_subnet_id,
         "ami_id": compute.ami_id,
         "key_name": identity.key_name,
-        "expires_at": expiry,
+        "expires_at": expires,
+        "expiry_queue_url": None if expiry is None else expiry.queue_url,
     }
 
 

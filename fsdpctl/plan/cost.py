@@ -14,7 +14,7 @@ import yaml
 from fsdpctl.errors import UsageError
 from infra.catalog import CATALOG, offerings
 from infra.offline import OfflinePlan, Registration
-from infra.spec import yaml_error_text
+from infra.spec import RANK_TAG, yaml_error_text
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -61,10 +61,18 @@ class CostLine:
     unit: str
     unit_price: float | None  # None: no fixed price (spot, Capacity Block) or not in the table
     note: str = ""
+    max_unit_price: float | None = None
+    """Without a unit price: the most a unit can cost (a spot node: its max price), or None."""
 
     @property
     def per_hour(self) -> float | None:
         return None if self.unit_price is None else self.quantity * self.unit_price
+
+    @property
+    def max_per_hour(self) -> float | None:
+        """The most this line can cost per hour: its cost when priced, else at its unit bound."""
+        bound = self.unit_price if self.unit_price is not None else self.max_unit_price
+        return None if bound is None else self.quantity * bound
 
 
 @dataclass
@@ -77,37 +85,89 @@ class CostEstimate:
     """Prices came (partly) from a --prices file."""
 
     @property
-    def per_hour(self) -> float:
+    def known_per_hour(self) -> float:
+        """What the priced lines cost per hour (all of it only when `complete`)."""
         return sum(line.per_hour or 0.0 for line in self.lines)
 
     @property
-    def per_day(self) -> float:
-        return self.per_hour * 24
+    def per_hour(self) -> float | None:
+        """The hourly total, or None when a line has no price (see max_per_hour and unpriced)."""
+        return self.known_per_hour if self.complete else None
+
+    @property
+    def per_day(self) -> float | None:
+        return None if self.per_hour is None else self.per_hour * 24
+
+    @property
+    def max_per_hour(self) -> float | None:
+        """The most it can cost per hour: the total, or with every unpriced line at its bound;
+        None when one has no bound."""
+        bounds = [line.max_per_hour for line in self.lines]
+        return None if None in bounds else sum(bounds)
 
     @property
     def complete(self) -> bool:
         return all(line.unit_price is not None for line in self.lines)
 
+    @property
+    def unpriced(self) -> list[CostLine]:
+        return [line for line in self.lines if line.unit_price is None]
+
+    def headline(self) -> str:
+        """The hourly cost in one phrase, for `up`'s question: "about X per hour", "at most X per
+        hour (why)", or "an unknown amount per hour (why)"."""
+        amount = f"{amount_text(self.per_hour, self.max_per_hour, currency=self.currency)} per hour"
+        if self.per_hour is not None:
+            return amount
+        why = "; ".join(f"{quantity_text(line)} {line.item}, {line.note}" for line in self.unpriced)
+        if self.max_per_hour is None:
+            why += f"; the priced items alone are {self.known_per_hour:,.2f} {self.currency} per hour"
+        return f"{amount} ({why})"
+
     def to_dict(self) -> dict[str, Any]:
+        def rounded(value: float | None, digits: int) -> float | None:
+            return None if value is None else round(value, digits)
+
         return {
             "currency": self.currency,
             "prices_as_of": self.as_of,
             "prices_source": self.source,
-            "per_hour": round(self.per_hour, 4),
-            "per_day": round(self.per_day, 2),
+            "per_hour": rounded(self.per_hour, 4),
+            "per_day": rounded(self.per_day, 2),
+            "max_per_hour": rounded(self.max_per_hour, 4),
+            "known_per_hour": round(self.known_per_hour, 4),
             "complete": self.complete,
+            "headline": self.headline(),
             "lines": [
                 {
                     "item": c.item,
                     "quantity": c.quantity,
                     "unit": c.unit,
                     "unit_price": c.unit_price,
-                    "per_hour": None if c.per_hour is None else round(c.per_hour, 4),
+                    "max_unit_price": c.max_unit_price,
+                    "per_hour": rounded(c.per_hour, 4),
                     "note": c.note,
                 }
                 for c in self.lines
             ],
         }
+
+
+def amount_text(per_hour: float | None, max_per_hour: float | None, hours: float = 1,
+                currency: str = "USD") -> str:
+    """What `hours` of a cluster cost, from the estimate `up` recorded (CostEstimate.per_hour and
+    max_per_hour): "about X USD", "at most X USD" (spot), or "an unknown amount"."""
+    if per_hour is not None:
+        return f"about {per_hour * hours:,.2f} {currency}"
+    if max_per_hour is not None:
+        return f"at most {max_per_hour * hours:,.2f} {currency}"
+    return "an unknown amount"
+
+
+def quantity_text(line: CostLine) -> str:
+    """How much a line bills: "4 x" instances, "810 GiB" of storage."""
+    quantity = int(line.quantity) if float(line.quantity).is_integer() else line.quantity
+    return f"{quantity} GiB" if line.unit.startswith("GiB") else f"{quantity} x"
 
 
 def _market_of(template: Registration, own_reservations: set[str] = frozenset()) -> str:
@@ -142,6 +202,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                  if itype not in CATALOG}
     instance_hour = {**small, **region_offerings, **(regions.get(region) or {}).get("instance_hour", {})}
     missing = f"not in the price table for {region}; pass --prices FILE"
+    currency = str(prices.get("currency", "USD"))
     lines: list[CostLine] = []
 
     def price(value: Any) -> float | None:
@@ -177,13 +238,26 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
         for mapping in template.inputs.get("blockDeviceMappings") or []:
             ebs_gib += count * float((mapping.get("ebs") or {}).get("volumeSize") or 0)
         if market == "spot":
+            # EC2 never bills a spot instance above its max price, which defaults to the on-demand
+            # price; the launch template carries the spec's spot_max_price as its max price.
+            max_price = ((template.inputs.get("instanceMarketOptions") or {}).get("spotOptions") or {}).get(
+                "maxPrice")
+            if max_price is not None:
+                cap, cap_source = float(max_price), "capacity.spot_max_price"
+            else:
+                cap = price(instance_hour.get(itype))
+                cap_source = "its on-demand price, EC2's default max price"
+            bound = (f"; at most {cap:,.2f} {currency} per instance-hour, {cap_source}" if cap is not None
+                     else f"; no bound: set capacity.spot_max_price, or pass --prices FILE with the "
+                          f"on-demand price of {itype}")
             lines.append(
                 CostLine(
                     f"{itype} spot",
                     count,
                     "instance-hour",
                     None,
-                    "varies: the spot price of the hour (see the EC2 spot price history)",
+                    f"varies: the spot price of the hour{bound}",
+                    max_unit_price=cap,
                 )
             )
         elif market == "capacity-block":
@@ -193,7 +267,8 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                     count,
                     "instance-hour",
                     None,
-                    "prepaid with the Capacity Block offering; not billed per hour here",
+                    "prepaid when the Capacity Block was bought (its offering has the price); not "
+                    "priced per hour here",
                 )
             )
         else:
@@ -252,7 +327,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
         lines=lines,
         as_of=str(prices.get("as_of", "unknown")),
         source=str(prices.get("source", "unknown")),
-        currency=str(prices.get("currency", "USD")),
+        currency=currency,
         overridden=OVERRIDE_KEY in prices,
     )
 
@@ -267,6 +342,10 @@ BILLED_TYPES = {
     "aws:fsx/lustreFileSystem:LustreFileSystem": "FSx for Lustre file system",
     "aws:s3/bucket:Bucket": "S3 bucket (storage)",
 }
+SCHEDULE_TYPE = "aws:scheduler/schedule:Schedule"
+RESERVATION_TYPE = "aws:ec2/capacityReservation:CapacityReservation"
+# What bills from the moment `up` creates it (a new bucket holds nothing yet).
+HOURLY_TYPES = {t: kind for t, kind in BILLED_TYPES.items() if t != "aws:s3/bucket:Bucket"}
 
 
 @dataclass
@@ -278,25 +357,95 @@ class AfterExpiry:
     still_billed: list[str]
 
 
-def after_expiry(plan: OfflinePlan) -> AfterExpiry | None:
-    """None when the cluster has no expiry (everything keeps billing)."""
-    schedules = plan.mocks.of_type("aws:scheduler/schedule:Schedule")
-    if not schedules:
-        return None
-    targeted = " ".join(str((s.inputs.get("target") or {}).get("input", "")) for s in schedules)
+def _label(record: Registration) -> str:
+    return f"{BILLED_TYPES[record.type]} {record.name}"
+
+
+def _stopped_by(record: Registration, schedules: list[Registration]) -> list[Registration]:
+    """The schedules whose call names the resource (by id, or an Elastic IP by allocation id)."""
+    ids = [i for i in (record.id, *_computed_ids(record)) if i]
+    calls = {s.urn: str((s.inputs.get("target") or {}).get("input", "")) for s in schedules}
+    return [s for s in schedules if any(i in calls[s.urn] for i in ids)]
+
+
+def split_by_expiry(records: list[Registration], billed_types: dict[str, str]) -> AfterExpiry:
+    """The billed resources among `records` (a plan's, or a stack's as Pulumi recorded it), split
+    by whether one of the schedules among them stops them."""
+    schedules = [r for r in records if r.type == SCHEDULE_TYPE]
     stopped, still = [], []
-    for record in plan.mocks.resources:
-        kind = BILLED_TYPES.get(record.type)
-        if kind is None:
-            continue
-        ids = [record.id, *(v for k, v in _computed_ids(record))]
-        label = f"{kind} {record.name}"
-        (stopped if any(i and i in targeted for i in ids) else still).append(label)
+    for record in records:
+        if record.type in billed_types:
+            (stopped if _stopped_by(record, schedules) else still).append(_label(record))
     return AfterExpiry(stopped=stopped, still_billed=still)
 
 
-def _computed_ids(record: Registration) -> list[tuple[str, str]]:
-    """Other identifiers a schedule may name a resource by (an Elastic IP's allocation id)."""
+def after_expiry(plan: OfflinePlan) -> AfterExpiry | None:
+    """None when the cluster has no expiry (everything keeps billing)."""
+    if not plan.mocks.of_type(SCHEDULE_TYPE):
+        return None
+    return split_by_expiry(plan.mocks.resources, BILLED_TYPES)
+
+
+def _computed_ids(record: Registration) -> list[str]:
+    """Other identifiers a schedule may name a resource by in the plan (an Elastic IP's allocation
+    id; on AWS that is its id)."""
     if record.type == "aws:ec2/eip:Eip":
-        return [("allocation_id", f"<{record.name}.allocation_id>")]
+        return [f"<{record.name}.allocation_id>"]
     return []
+
+
+@dataclass
+class FailedUp:
+    """What keeps billing when `up` fails while buying GPU capacity, and until when."""
+
+    until_expiry: list[str]
+    """Stopped at the expiry: their schedules exist before the capacity is bought."""
+    until_down: list[str]
+    """Nothing stops them before `fsdpctl down` (no schedule yet, or no expiry at all)."""
+
+
+def _is_capacity(record: Registration) -> bool:
+    """GPU capacity: the reservation and the nodes, what fails (InsufficientInstanceCapacity)."""
+    return record.type == RESERVATION_TYPE or (record.type == "aws:ec2/instance:Instance"
+                                               and RANK_TAG in record.tags)
+
+
+def if_up_fails(plan: OfflinePlan) -> FailedUp:
+    """Pulumi starts no new step after a failed one, and runs the rest in parallel: when buying a
+    piece of capacity fails, whatever does not wait for it may exist and bill. Its expiry stops it
+    only if one of its schedules is among what that step waited for (the program's creation order,
+    read off the dependencies); otherwise it bills until `fsdpctl down`."""
+    resources = plan.mocks.resources
+    by_urn = {r.urn: r for r in resources if r.urn}
+    waits: dict[str, set[str]] = {}
+
+    def waits_for(record: Registration) -> set[str]:
+        if record.urn not in waits:
+            found: set[str] = set()
+            todo = list(record.dependencies)
+            while todo:
+                urn = todo.pop()
+                if urn not in found and urn in by_urn:
+                    found.add(urn)
+                    todo += by_urn[urn].dependencies
+            waits[record.urn] = found
+        return waits[record.urn]
+
+    schedules = [r for r in resources if r.type == SCHEDULE_TYPE]
+    capacity = [r for r in resources if _is_capacity(r)]
+    order = list(BILLED_TYPES)
+
+    def listed(record: Registration) -> tuple:
+        """Everything else first, then the reservation, then the nodes by rank."""
+        last = (_is_capacity(record), record.type != RESERVATION_TYPE, int(record.tags.get(RANK_TAG, -1)))
+        return (*last, order.index(record.type), record.name)
+
+    failed = FailedUp(until_expiry=[], until_down=[])
+    for record in sorted((r for r in resources if r.type in HOURLY_TYPES), key=listed):
+        failing = [c for c in capacity if c is not record and c.urn not in waits_for(record)]
+        if not failing:
+            continue  # created only after all the capacity it could fail on
+        stoppers = {s.urn for s in _stopped_by(record, schedules)}
+        covered = all(stoppers & waits_for(step) for step in failing)
+        (failed.until_expiry if covered else failed.until_down).append(_label(record))
+    return failed

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import textwrap
 from datetime import UTC, date, datetime
 from typing import Any
 
-from fsdpctl.plan.cost import CostEstimate, CostLine, after_expiry
+from fsdpctl.plan.cost import CostEstimate, CostLine, after_expiry, if_up_fails, quantity_text
 from infra.offline import OfflinePlan, Registration
 from infra.spec import RANK_TAG
 
@@ -98,11 +99,14 @@ def describe(record: Registration) -> str:
         tokens = (inputs.get("metadataOptions") or {}).get("httpTokens")
         return f"{inputs.get('instanceType')} with a public IP, IMDSv2 {tokens}"
     if record.type == "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration":
+        from infra.components.storage import longest_kept_days
+
         rule = (inputs.get("rules") or [{}])[0]
         current = int(rule.get("expiration", {}).get("days", 0))
         noncurrent = int(rule.get("noncurrentVersionExpiration", {}).get("noncurrentDays", 0))
-        return (f"every byte deleted within {current + noncurrent} days ({current} current + "
-                f"{noncurrent} noncurrent), expired delete markers removed")
+        return (f"every byte deleted within {longest_kept_days(current, noncurrent)} days ({current} "
+                f"current + {noncurrent} noncurrent, each rounded up to midnight UTC by S3), expired "
+                "delete markers removed")
     if record.type == "aws:scheduler/schedule:Schedule":
         target = inputs.get("target") or {}
         return (
@@ -133,24 +137,36 @@ def _wrapped(text: str, indent: int) -> list[str]:
                          break_long_words=False) or [""]
 
 
-def _quantity(line: CostLine) -> str:
-    """How much is billed: "4 x" instances, "810 GiB" of storage."""
-    qty = _format_value(float(line.quantity))
-    return f"{qty} GiB" if line.unit.startswith("GiB") else f"{qty} x"
+def _line_per_hour(line: CostLine, currency: str) -> str:
+    if line.per_hour is None and line.max_per_hour is not None:
+        return f"<= {_money(line.max_per_hour, currency)}/h"
+    return _money(line.per_hour, currency) + "/h"
+
+
+def _total(cost: CostEstimate) -> str:
+    """The total line: exact, a cap (spot), or unknown, never the priced items passed off as all."""
+    excluded = "excludes data transfer and S3 storage/requests"
+    if cost.per_hour is not None:
+        return (f"Total: {_money(cost.per_hour, cost.currency)} per hour, "
+                f"{_money(cost.per_day, cost.currency)} per day ({excluded})")
+    unpriced = ", ".join(f"{quantity_text(line)} {line.item}" for line in cost.unpriced)
+    known = f"the priced items alone are {_money(cost.known_per_hour, cost.currency)} per hour"
+    if cost.max_per_hour is not None:
+        return (f"Total: at most {_money(cost.max_per_hour, cost.currency)} per hour, "
+                f"{_money(cost.max_per_hour * 24, cost.currency)} per day ({unpriced} at the bound "
+                f"above; {known}; {excluded})")
+    return f"Total: unknown ({unpriced}: no price, see above; {known}; {excluded})"
 
 
 def _cost_lines(cost: CostEstimate) -> list[str]:
     out = []
     for line in cost.lines:
         unit = "" if line.unit_price is None else f" at {_money(line.unit_price, cost.currency)}/{line.unit}"
-        out.append(f"  {line.item:<34} {_quantity(line):>9} {_money(line.per_hour, cost.currency) + '/h':>16}"
+        out.append(f"  {line.item:<34} {quantity_text(line):>9} {_line_per_hour(line, cost.currency):>16}"
                    f"{unit}")
         if line.note:
             out += _wrapped(f"      ({line.note})", 7)
-    partial = "" if cost.complete else " plus the items marked varies"
-    out += _wrapped(f"  Total: {_money(cost.per_hour, cost.currency)} per hour, "
-                    f"{_money(cost.per_day, cost.currency)} per day{partial} (excludes data transfer and S3 "
-                    "storage/requests)", 4)
+    out += _wrapped(f"  {_total(cost)}", 4)
     return out
 
 
@@ -205,6 +221,7 @@ def render_text(plan: OfflinePlan, cost: CostEstimate, today: date | None = None
                         "--prices FILE.", 4)
     out.append("")
     out += _after_expiry_lines(plan)
+    out += _if_up_fails_lines(plan)
     return "\n".join(out)
 
 
@@ -219,10 +236,25 @@ def _after_expiry_lines(plan: OfflinePlan) -> list[str]:
     out += _wrapped("  " + ", ".join(after.stopped), 4)
     days = spec.checkpoint_bucket.retention_days
     still = ", ".join(after.still_billed) or "nothing"
-    out += _wrapped(f"What keeps billing after expiry: {still} (S3 storage of the checkpoints; the "
-                    f"lifecycle deletes every byte within {days} days). Everything else left is free "
-                    "(VPC, subnets, security groups, roles, launch template, schedules); `fsdpctl up` "
-                    "brings the cluster back, `fsdpctl down` removes the rest.", 0)
+    out += _wrapped(f"What keeps billing after expiry: {still} (the checkpoint bucket's lifecycle "
+                    f"deletes every byte within {days} days). Everything else left is free (VPC, "
+                    "subnets, security groups, roles, launch template, schedules, dead-letter queue); "
+                    "`fsdpctl up` brings the cluster back, `fsdpctl down` removes the rest.", 0)
+    return out
+
+
+def _if_up_fails_lines(plan: OfflinePlan) -> list[str]:
+    failed = if_up_fails(plan)
+    if not failed.until_expiry and not failed.until_down:
+        return []
+    out = ["", *_wrapped("If `up` fails half-way (InsufficientInstanceCapacity when it buys the GPU "
+                         "capacity is the usual failure), what it created keeps billing; `fsdpctl down` "
+                         "removes it all:", 0)]
+    if failed.until_expiry:
+        out += _wrapped(f"  bill until the expiry at {plan.expires_at or 'creation + expiry_hours'} stops "
+                        f"them: {', '.join(failed.until_expiry)} (their schedules exist before the capacity "
+                        "is bought)", 4)
+    out += _wrapped(f"  bill until `fsdpctl down`: {', '.join(failed.until_down) or 'nothing'}", 4)
     return out
 
 
@@ -251,6 +283,7 @@ def render_json(plan: OfflinePlan, cost: CostEstimate) -> str:
             "cost": cost.to_dict(),
             "after_expiry": None if (after := after_expiry(plan)) is None else {
                 "stopped": after.stopped, "still_billed": after.still_billed},
+            "if_up_fails": dataclasses.asdict(if_up_fails(plan)),
         },
         indent=2,
         default=str,

@@ -5,6 +5,10 @@ One launch template per instance type carries everything a node is launched with
 placement group and how the capacity is bought (spot, reservation, Capacity Block). Each node is an
 `aws.ec2.Instance` from that template whose logical name is `spec.node_name(rank)`, so a node keeps
 its rank (and `fsdpctl replace RANK` can target exactly one URN).
+
+Each billed instance and the reservation get their expiry schedule (infra/components/expiry.py) as
+soon as they exist, and GPU capacity is bought last: the bastion and its schedule first, then the
+reservation, then the nodes, each waiting for every schedule made before it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.components.context import COMPONENT_PREFIX, ClusterContext, child_options
+from infra.components.expiry import Expiry
 from infra.spec import BASTION_SSM_PARAMETERS, RANK_TAG, CapacityType
 
 # Only programs on the node itself (not containers behind a bridge, which add a hop) may read
@@ -69,18 +74,25 @@ class Compute(pulumi.ComponentResource):
     # The all-or-nothing On-Demand Capacity Reservation the program creates, or None.
     capacity_reservation_id: pulumi.Output[str] | None
     bastion_public_ip: pulumi.Output[str] | None
-    bastion_id: pulumi.Output[str] | None
 
     def __init__(self, ctx: ClusterContext, *, private_subnet_id: pulumi.Input[str],
                  public_subnet_id: pulumi.Input[str] | None, node_security_group_id: pulumi.Input[str],
                  bastion_security_group_id: pulumi.Input[str] | None,
                  instance_profile_arn: pulumi.Input[str], key_name: pulumi.Input[str] | None,
-                 retemplate: frozenset[int] = frozenset(),
+                 expiry: Expiry | None = None, retemplate: frozenset[int] = frozenset(),
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
         spec = ctx.spec
+        self._expiry = expiry
         self.requested_ami = spec.image.ami_id or resolve_ami(ctx, spec.image.ssm_parameter)
         self.placement_group_name, placement_group_arn = self._placement_group(ctx)
+        # The bastion first: its expiry schedule must exist before any GPU capacity is asked for.
+        self.bastion_public_ip = None
+        if spec.access.bastion:
+            bastion = self._bastion(ctx, public_subnet_id, bastion_security_group_id, key_name)
+            self.bastion_public_ip = bastion.public_ip
+            if expiry is not None:
+                expiry.terminate("bastion", bastion.id)
         self.capacity_reservation_id = self._all_or_nothing(ctx, placement_group_arn)
         slots = efa_interface_layout(spec.instance.network_cards, spec.instance.efa_layout)
         self.efa_count = efa_count(slots)
@@ -95,20 +107,25 @@ class Compute(pulumi.ComponentResource):
         # `fsdpctl replace RANK`, which names the rank in `retemplate` for that one run, or on
         # nodes created later (scale-up, a fresh cluster).
         version = template.latest_version.apply(str)
-        self.nodes = [
-            aws.ec2.Instance(
+        after_expiries = self._after_expiries()
+        self.nodes = []
+        for rank in range(spec.node_count):
+            node = aws.ec2.Instance(
                 spec.node_name(rank),
                 launch_template={"id": template.id, "version": version},
                 tags={**ctx.tags, RANK_TAG: str(rank), "Name": spec.node_name(rank)},
                 opts=child_options(self, ignore_changes=[] if rank in retemplate
-                                   else [NODE_TEMPLATE_PROPERTY]))
-            for rank in range(spec.node_count)
-        ]
-        self.bastion_public_ip = self.bastion_id = None
-        if spec.access.bastion:
-            bastion = self._bastion(ctx, public_subnet_id, bastion_security_group_id, key_name)
-            self.bastion_public_ip, self.bastion_id = bastion.public_ip, bastion.id
+                                   else [NODE_TEMPLATE_PROPERTY], depends_on=after_expiries))
+            if expiry is not None:
+                expiry.terminate(f"node{rank}", node.id)
+            self.nodes.append(node)
         self.register_outputs({"node_ids": [n.id for n in self.nodes]})
+
+    def _after_expiries(self) -> list[pulumi.Resource]:
+        """What GPU capacity waits for: the expiry schedule of everything billed created so far.
+        Pulumi starts no new step once one has failed, and buying capacity is the step that fails
+        (InsufficientInstanceCapacity); a schedule made after it would never exist."""
+        return list(self._expiry.schedules) if self._expiry is not None else []
 
     def _placement_group(self, ctx: ClusterContext) -> tuple[pulumi.Output[str] | None,
                                                              pulumi.Output[str] | None]:
@@ -148,7 +165,9 @@ class Compute(pulumi.ComponentResource):
             end_date_type="unlimited",
             placement_group_arn=placement_group_arn,
             tags=ctx.tags_named("capacity"),
-            opts=child_options(self))
+            opts=child_options(self, depends_on=self._after_expiries()))
+        if self._expiry is not None:
+            self._expiry.cancel_reservation(reservation.id)
         return reservation.id
 
     def _launch_template(self, ctx: ClusterContext, slots: list[InterfaceSlot],

@@ -1,9 +1,10 @@
 """Shared storage: the checkpoint bucket and the optional FSx for Lustre file system.
 
-The bucket deletes every byte within `checkpoint_bucket.retention_days` (the guide's 7-day rule):
-a checkpoint is current for retention_days - 1 days, then a noncurrent version for 1 day, then gone;
-expired delete markers and incomplete multipart uploads are removed too, so versioning cannot keep
-anything alive longer.
+The bucket deletes every byte within `checkpoint_bucket.retention_days` (the guide's 7-day rule),
+whatever time of day it was written: S3 rounds each lifecycle step up to the next midnight UTC, so a
+checkpoint is current for retention_days - 3 days, then a noncurrent version for 1 day, each step up
+to a day longer, then gone; expired delete markers and incomplete multipart uploads are removed too,
+so versioning cannot keep anything alive longer.
 Node-local scratch (the NVMe instance store as RAID0) needs no resource: the Ansible role builds it.
 """
 
@@ -20,12 +21,26 @@ _BUCKET_PREFIX_MAX = 37
 LUSTRE_VERSION = "2.15"
 
 
+# S3 adds a lifecycle step's days to when it starts and rounds up to the next midnight UTC: a step
+# keeps a byte up to a day longer than its count. Both steps of the rule do: the expiration of the
+# current version adds a delete marker some time on the day it falls due, and the noncurrent count
+# starts then, not at midnight.
+S3_ROUNDING_DAYS = 1
+NONCURRENT_DAYS = 1
+# 1 day current (S3's minimum) + NONCURRENT_DAYS, each rounded: the spec refuses less.
+MIN_RETENTION_DAYS = 1 + NONCURRENT_DAYS + 2 * S3_ROUNDING_DAYS
+
+
 def lifecycle_days(retention_days: int) -> tuple[int, int]:
     """(days as the current version, days as a noncurrent version) so that every byte is deleted
-    within retention_days of being written: S3 counts noncurrent days from when a version became
-    noncurrent, so 7 + 7 would keep a checkpoint 14 days. Both are at least 1 (S3's minimum), so
-    retention_days 1 keeps a byte at most 2 days."""
-    return max(1, retention_days - 1), 1
+    within retention_days of being written, at whatever time of day (longest_kept_days of the
+    result is retention_days). retention_days is at least MIN_RETENTION_DAYS."""
+    return retention_days - NONCURRENT_DAYS - 2 * S3_ROUNDING_DAYS, NONCURRENT_DAYS
+
+
+def longest_kept_days(current_days: int, noncurrent_days: int) -> int:
+    """The most days a rule of current + noncurrent days keeps a byte, S3's rounding included."""
+    return current_days + noncurrent_days + 2 * S3_ROUNDING_DAYS
 
 
 def bucket_prefix(cluster_name: str) -> str:
@@ -49,17 +64,18 @@ class Storage(pulumi.ComponentResource):
         self.register_outputs({"bucket_name": self.bucket_name})
 
     def _checkpoint_bucket(self, ctx: ClusterContext) -> None:
-        spec, child = ctx.spec, child_options(self)
+        spec = ctx.spec
         days = spec.checkpoint_bucket.retention_days
         name_args = ({"bucket": spec.checkpoint_bucket.name} if spec.checkpoint_bucket.name
                      else {"bucket_prefix": bucket_prefix(spec.name)})
         keep = spec.checkpoint_bucket.keep_on_down
         # Versioned objects would block the delete: force_destroy empties the bucket on destroy,
-        # unless the user asked to keep it, in which case Pulumi forgets it instead of deleting.
+        # unless the user asked to keep it, in which case Pulumi forgets it instead of deleting, and
+        # forgets its settings with it: deleting those would leave a kept bucket without its public
+        # access block, with versioning suspended and without the lifecycle that deletes its bytes.
+        child = child_options(self, retain_on_delete=keep)
         bucket = aws.s3.Bucket(ctx.resource_name("checkpoints"), **name_args, force_destroy=not keep,
-                               tags=ctx.tags_named("checkpoints"),
-                               opts=pulumi.ResourceOptions.merge(
-                                   child, pulumi.ResourceOptions(retain_on_delete=keep)))
+                               tags=ctx.tags_named("checkpoints"), opts=child)
         aws.s3.BucketPublicAccessBlock(
             ctx.resource_name("checkpoints"), bucket=bucket.id, block_public_acls=True,
             block_public_policy=True, ignore_public_acls=True, restrict_public_buckets=True, opts=child)
@@ -79,7 +95,7 @@ class Storage(pulumi.ComponentResource):
                 "filter": {"prefix": ""},
                 # Versioned bucket: expiring the current version only adds a delete marker; the
                 # bytes stay as a noncurrent version until noncurrent_version_expiration removes
-                # them. current + noncurrent days = retention_days, so no byte outlives the promise.
+                # them. Both steps rounded up by S3 add up to retention_days (lifecycle_days).
                 "expiration": {"days": current_days},
                 "noncurrent_version_expiration": {"noncurrent_days": noncurrent_days},
                 # Interrupted multipart uploads of large shards are billed until aborted.

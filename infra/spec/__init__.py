@@ -14,6 +14,7 @@ from infra.spec.constants import (
     CLUSTER_TAG,
     DEFAULT_DLAMI_PARAMETER,
     EXPIRES_TAG,
+    FINAL_BACKUP_TAG,
     FSX_PERSISTENT_THROUGHPUTS,
     PULUMI_CONFIG_KEY,
     RANK_TAG,
@@ -27,6 +28,7 @@ from infra.spec.model import (
     CheckpointBucket,
     ClusterSpec,
     Fsx,
+    FsxAtExpiry,
     Image,
     LocalTarget,
     Network,
@@ -39,9 +41,9 @@ from infra.spec.problems import Problem, SpecError
 from infra.spec.rules import cross_field_problems
 
 __all__ = [
-    "BASTION_SSM_PARAMETERS", "CLUSTER_TAG", "DEFAULT_DLAMI_PARAMETER", "EXPIRES_TAG",
+    "BASTION_SSM_PARAMETERS", "CLUSTER_TAG", "DEFAULT_DLAMI_PARAMETER", "EXPIRES_TAG", "FINAL_BACKUP_TAG",
     "FSX_PERSISTENT_THROUGHPUTS", "PULUMI_CONFIG_KEY", "RANK_TAG", "TAG_PREFIX", "Access", "Capacity",
-    "CapacityType", "CheckpointBucket", "ClusterSpec", "Fsx", "Image", "LocalTarget", "Network",
-    "PlacementGroup", "Problem", "Software", "SpecError", "Storage", "Trainer", "cross_field_problems",
-    "load_spec", "parse_spec", "yaml_error_text",
+    "CapacityType", "CheckpointBucket", "ClusterSpec", "Fsx", "FsxAtExpiry", "Image", "LocalTarget",
+    "Network", "PlacementGroup", "Problem", "Software", "SpecError", "Storage", "Trainer",
+    "cross_field_problems", "load_spec", "parse_spec", "yaml_error_text",
 ]

@@ -9,6 +9,9 @@ TAG_PREFIX = "fsdp-cluster"
 CLUSTER_TAG = f"{TAG_PREFIX}:cluster"
 EXPIRES_TAG = f"{TAG_PREFIX}:expires-at"
 RANK_TAG = f"{TAG_PREFIX}:node-rank"
+# On the FSx final backup the expiry takes (storage.fsx.at_expiry: backup): not CLUSTER_TAG, since the
+# backup is kept on purpose and the teardown sweep must not count it as a leftover.
+FINAL_BACKUP_TAG = f"{TAG_PREFIX}:final-backup-of"
 
 DEFAULT_DLAMI_PARAMETER = (
     "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"

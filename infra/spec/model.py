@@ -9,7 +9,14 @@ from enum import StrEnum
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from infra import catalog
-from infra.spec.constants import CLUSTER_TAG, DEFAULT_DLAMI_PARAMETER, NAME_RE, REGION_RE, TAG_PREFIX
+from infra.spec.constants import (
+    CLUSTER_TAG,
+    DEFAULT_DLAMI_PARAMETER,
+    FINAL_BACKUP_TAG,
+    NAME_RE,
+    REGION_RE,
+    TAG_PREFIX,
+)
 from infra.spec.problems import SpecError
 from infra.spec.rules import cross_field_problems
 
@@ -137,6 +144,12 @@ class Access(_Model):
         return v
 
 
+class FsxAtExpiry(StrEnum):
+    DELETE = "delete"
+    BACKUP = "backup"
+    KEEP = "keep"
+
+
 class Fsx(_Model):
     """FSx for Lustre, mounted on every node (datasets, shared checkpoints)."""
 
@@ -159,6 +172,27 @@ class Fsx(_Model):
     (one association imports and exports)."""
     mount_point: str = "/fsx"
     """Where the nodes mount it (the cluster's `shared_dir` when FSx is on)."""
+    at_expiry: FsxAtExpiry = FsxAtExpiry.DELETE
+    """What the expiry does with the file system: `delete` (no final backup: what is not in S3 is
+    lost), `backup` (delete it after a final backup, tagged `fsdp-cluster:final-backup-of=<name>`,
+    which outlives the cluster and bills as backup storage until you delete it; `PERSISTENT_1` or
+    `PERSISTENT_2` without `s3_import_path` only) or `keep` (no expiry: it bills until
+    `fsdpctl down`). The plan warns about each."""
+
+    def expiry_warning(self, cluster: str) -> str:
+        """What the expiry does to the file system, for the plan's and `up`'s warnings."""
+        if self.at_expiry is FsxAtExpiry.KEEP:
+            return (f"storage.fsx.at_expiry is keep: the {self.capacity_gib} GiB FSx file system keeps "
+                    "billing after the expiry, until `fsdpctl down`.")
+        if self.at_expiry is FsxAtExpiry.BACKUP:
+            return ("storage.fsx.at_expiry is backup: the FSx file system's final backup (tagged "
+                    f"{FINAL_BACKUP_TAG}={cluster}) bills as backup storage until you delete it; "
+                    "`fsdpctl down` does not delete it.")
+        exported = (f"; changes reach {self.s3_export_path} through the automatic export, the rest is lost"
+                    if self.s3_export_path else "; whatever is only there is lost")
+        return ("storage.fsx.at_expiry is delete: at the expiry the FSx file system is deleted without a "
+                f"final backup{exported}. Set at_expiry: backup (persistent types without an S3 link), "
+                "or keep (it bills until `fsdpctl down`), or copy what you need out before then.")
 
     @field_validator("deployment_type")
     @classmethod
@@ -204,8 +238,9 @@ class Image(_Model):
 
 class CheckpointBucket(_Model):
     retention_days: int = 7
-    """Every byte of a checkpoint is deleted within this many days: current for days - 1, then 1
-    day as a noncurrent version (1 means at most 2 days). At least 1."""
+    """Every byte of a checkpoint is deleted within this many days, whatever time of day it was
+    written. S3 rounds each lifecycle step up to the next midnight UTC (up to a day more each), so a
+    checkpoint is current for days - 3, then 1 day as a noncurrent version. At least 4."""
     name: str | None = None
     """An explicit bucket name; empty means `<name>-checkpoints-` plus a unique suffix AWS assigns.
     The bucket is versioned, encrypted (SSE-S3, bucket key), blocks all public access, and is the
@@ -218,8 +253,10 @@ class CheckpointBucket(_Model):
     @field_validator("retention_days")
     @classmethod
     def _retention(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError("checkpoints must be kept at least 1 day; use 7 (the default)")
+        # infra.components.storage.MIN_RETENTION_DAYS (that module needs pulumi; a test ties them).
+        if v < 4:
+            raise ValueError("S3 rounds each lifecycle step up to the next midnight UTC, so 4 days is "
+                             "the shortest retention it can keep; use 7 (the default) or at least 4")
         return v
 
 
@@ -303,11 +340,15 @@ class ClusterSpec(_Model):
     image: Image = Image()
     checkpoint_bucket: CheckpointBucket = CheckpointBucket()
     expiry_hours: int | None = Field(default=24, ge=1, le=24 * 365)
-    """Hours after `fsdpctl up` at which an AWS-side schedule (EventBridge Scheduler) terminates the
-    nodes, so a forgotten cluster stops billing. 1 to 8760; `null` disables it (with a warning).
-    The time is pinned at first creation (`fsdp-cluster:expiresAt`) and does not move on later
-    updates. Only the GPU nodes are terminated; the network, bastion, FSx and bucket (a small
-    fraction of the cost) stay until `fsdpctl down`."""
+    """Hours after `fsdpctl up` at which AWS-side schedules (EventBridge Scheduler) stop everything
+    that bills by the hour, so a forgotten cluster stops billing: they terminate the nodes and the
+    bastion, cancel the all-or-nothing capacity reservation, delete the NAT gateway (then release
+    its Elastic IP) and the FSx file system (unless `storage.fsx.at_expiry` is `keep`). 1 to 8760;
+    `null` disables it (with a warning). The time is pinned at first creation
+    (`fsdp-cluster:expiresAt`) and does not move on later updates (`fsdpctl extend` moves it).
+    Besides that, only the checkpoint bucket keeps billing (its lifecycle deletes every byte within
+    `retention_days`). The free resources (VPC, subnets, security groups, roles, launch template)
+    stay until `fsdpctl down`."""
     tags: dict[str, str] = Field(default_factory=dict)
     """Extra tags put on every taggable resource, next to `fsdp-cluster:cluster` and
     `fsdp-cluster:expires-at`. At most 40; keys starting with `aws:` or `fsdp-cluster:` are
@@ -420,6 +461,8 @@ class ClusterSpec(_Model):
                        "bootstrap, FSx, data loading) will be slower.")
         if self.expiry_hours is None:
             out.append("expiry_hours is null: nothing stops a forgotten cluster from billing.")
+        elif self.storage.fsx.enabled:
+            out.append(self.storage.fsx.expiry_warning(self.name))
         table = catalog.offerings()
         if not table.offered(self.instance_type, self.region):
             out.append(

@@ -116,5 +116,18 @@ def _fsx_problems(fsx: Mapping[str, Any]) -> list[Problem]:
         problems.append(Problem(
             "storage.fsx.s3_export_path", fsx.get("s3_export_path"), "needs an import path too",
             "set storage.fsx.s3_import_path (usually the same bucket and prefix)"))
+    # FSx for Lustre backs up persistent file systems that are not linked to S3 only (the Lustre
+    # guide, "Working with backups"); the expiry's DeleteFileSystem would fail, deleting nothing.
+    if fsx.get("at_expiry") == "backup":
+        if not str(dtype).startswith("PERSISTENT"):
+            problems.append(Problem(
+                "storage.fsx.at_expiry", "backup", f"FSx takes no backups of {dtype} file systems",
+                "use delete, or keep (it bills until fsdpctl down), or deployment_type PERSISTENT_2"))
+        elif imported:
+            problems.append(Problem(
+                "storage.fsx.at_expiry", "backup",
+                "FSx takes no backups of a file system linked to S3 (s3_import_path)",
+                "use delete with s3_export_path (changes are exported to S3), or keep (it bills until "
+                "fsdpctl down)"))
     return problems
 

@@ -10,6 +10,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pulumi import automation as auto
@@ -21,7 +22,7 @@ from fsdpctl.targets.aws import stack
 from infra.program import EXPIRES_AT_KEY
 from infra.spec import CLUSTER_TAG, PULUMI_CONFIG_KEY
 
-from .conftest import Ec2Extras, make_spec
+from .conftest import Ec2Extras, make_spec, seed_image
 
 
 @pytest.fixture
@@ -131,7 +132,10 @@ def test_down_without_cli_and_without_a_stack_is_clean(no_pulumi, aws, tmp_path,
 
 
 class FakeStack:
-    """The config part of an Automation API Stack, with the CLI's behaviour for a missing key."""
+    """The config part of an Automation API Stack, with the CLI's behaviour for a missing key, and
+    its workspace's view of the stack settings file."""
+
+    name = "pf"
 
     def __init__(self):
         self.config: dict[str, str] = {}
@@ -144,17 +148,29 @@ class FakeStack:
             raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr=f"{key} not found", code=1))
         return auto.ConfigValue(self.config[key])
 
+    def remove_config(self, key):
+        self.config.pop(key)
+
+    @property
+    def workspace(self):
+        return SimpleNamespace(stack_settings=lambda name: auto.StackSettings(
+            secrets_provider="passphrase", encryption_salt="v1:salt", config=dict(self.config)))
+
 
 def test_stack_config_carries_the_spec_and_pins_the_expiry():
     spec = make_spec(expiry_hours=6, tags={"team": "ml"})
     fake = FakeStack()
-    first = stack.configure_stack(fake, spec)
+    config = stack.stack_config(fake, spec)
+    assert fake.config == {}  # worked out, not written: `up` writes it after the yes
+    stack.write_stack_config(fake, config)
+    first = config.expires_at
     assert fake.config["aws:region"] == "us-east-1"
     assert json.loads(fake.config[PULUMI_CONFIG_KEY]) == spec.model_dump(mode="json")
     assert fake.config[EXPIRES_AT_KEY] == first and first.endswith("Z")
     # A later `up` (even with another expiry_hours) keeps the pinned time.
-    assert stack.configure_stack(fake, make_spec(expiry_hours=48)) == first
-    assert stack.configure_stack(FakeStack(), make_spec(expiry_hours=None)) is None
+    assert stack.stack_config(fake, make_spec(expiry_hours=48)).expires_at == first
+    assert stack.stack_config(None, make_spec(expiry_hours=6)).expires_at is not None  # a new stack
+    assert stack.stack_config(FakeStack(), make_spec(expiry_hours=None)).expires_at is None
 
 
 def test_generated_key_is_reused_and_its_public_half_goes_into_the_spec(fsdpctl_home, tmp_path):
@@ -220,6 +236,56 @@ def test_state_from_outputs_without_bastion_or_fsx(tmp_path):
     data = stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k", known_hosts=tmp_path / "kh")
     assert data["ssh"]["proxy_jump"] is None and data["ssh"]["user"] == "ec2-user"
     assert data["shared_dir"] is None
+
+
+def test_state_records_the_expiry_dead_letter_queue(tmp_path):
+    url = "https://sqs.us-east-1.amazonaws.com/123456789012/pf-expiry-failures-1a2b3c4"
+    files = {"key_file": tmp_path / "k", "known_hosts": tmp_path / "kh"}
+    data = stack.state_from_outputs(make_spec(), {**OUTPUTS, "expiry_queue_url": url}, **files)
+    assert data["expiry_queue_url"] == url
+    no_expiry = stack.state_from_outputs(make_spec(expiry_hours=None), {**OUTPUTS, "expiry_queue_url": None},
+                                         **files)
+    assert no_expiry["expiry_queue_url"] is None
+
+
+def _dead_letter(aws, url: str, schedule: str, code: str, message: str) -> None:
+    """What EventBridge Scheduler puts in a schedule's dead-letter queue once a call still fails after
+    its retry policy: the target's input as the body, the failure as message attributes."""
+    def attribute(value: str) -> dict:
+        return {"DataType": "String", "StringValue": value}
+
+    schedule_arn = f"arn:aws:scheduler:us-east-1:123456789012:schedule/fsdp-cluster-pf/{schedule}"
+    attributes = {"ERROR_CODE": attribute(code), "ERROR_MESSAGE": attribute(message),
+                  "SCHEDULE_ARN": attribute(schedule_arn)}
+    aws.sqs.send_message(QueueUrl=url, MessageBody=json.dumps({"InstanceIds": ["i-0bbb"]}),
+                         MessageAttributes=attributes)
+
+
+def test_status_reports_the_expiry_calls_that_failed(aws, fsdpctl_home, tmp_path):
+    spec = make_spec()
+    state = new_state(tmp_path, spec)
+    ami = seed_image("x86_64", "dlami")
+    running = [i["InstanceId"] for i in aws.ec2.run_instances(
+        ImageId=ami, InstanceType="t3.micro", MinCount=2, MaxCount=2)["Instances"]]
+    aws.ec2.terminate_instances(InstanceIds=running[1:])
+    url = aws.sqs.create_queue(QueueName="pf-expiry-failures-1a2b3c4")["QueueUrl"]
+    outputs = {**OUTPUTS, "expiry_queue_url": url, "nodes": [
+        {**node, "instance_id": running[node["rank"]]} for node in OUTPUTS["nodes"]]}
+    state.update(**stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k",
+                                            known_hosts=tmp_path / "kh"))
+    assert stack.health(state) == [f"pf-node1: instance {running[1]} is terminated"]
+
+    _dead_letter(aws, url, "pf-expiry-node1", "InvalidInstanceID.NotFound",
+                 "The instance ID 'i-0bbb' does not exist")
+    problems = stack.health(state)
+    assert problems[0] == (
+        f"expiry: 1 call failed (dead-letter queue {url}): pf-expiry-node1: InvalidInstanceID.NotFound: "
+        "The instance ID 'i-0bbb' does not exist. What it was to stop may still bill: check it in the "
+        "EC2/FSx console, or run `fsdpctl down --cluster pf`")
+    assert problems[1:] == [f"pf-node1: instance {running[1]} is terminated"]
+    _dead_letter(aws, url, "pf-expiry-nat", "AccessDeniedException", "not authorized")
+    # Reading leaves the messages in the queue: the next `status` reports them again.
+    assert stack.health(state)[0].startswith(f"expiry: 2 calls failed (dead-letter queue {url}): pf-expiry-")
 
 
 def test_state_from_outputs_refuses_a_node_count_mismatch(tmp_path):
@@ -423,11 +489,13 @@ def test_up_of_an_expired_cluster_sets_a_new_expiry():
     fake = FakeStack()
     fake.config[EXPIRES_AT_KEY] = "2026-12-03T11:00:00Z"  # an hour ago: the schedules have run
     lines = []
-    assert stack.configure_stack(fake, spec, now=NOW, out=lines.append) == "2026-12-03T18:00:00Z"
-    assert fake.config[EXPIRES_AT_KEY] == "2026-12-03T18:00:00Z"
+    config = stack.stack_config(fake, spec, now=NOW, out=lines.append)
+    assert config.expires_at == "2026-12-03T18:00:00Z"
     assert "expired at 2026-12-03T11:00:00Z" in lines[0] and "new expiry" in lines[0]
+    stack.write_stack_config(fake, config)
+    assert fake.config[EXPIRES_AT_KEY] == "2026-12-03T18:00:00Z"
     # Not yet expired: kept, whatever expiry_hours says now.
-    assert stack.configure_stack(fake, make_spec(expiry_hours=48), now=NOW) == "2026-12-03T18:00:00Z"
+    assert stack.stack_config(fake, make_spec(expiry_hours=48), now=NOW).expires_at == "2026-12-03T18:00:00Z"
 
 
 def test_extended_expiry_adds_hours_to_the_later_of_now_and_the_current_one():

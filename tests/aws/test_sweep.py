@@ -91,6 +91,8 @@ def plant_cluster(aws, extras: Ec2Extras) -> dict[str, str]:
     aws.iam.add_role_to_instance_profile(InstanceProfileName=f"{CLUSTER}-node-4d5e6f", RoleName=role)
     aws.scheduler.create_schedule_group(Name=schedule_group_name(CLUSTER), Tags=[
         {"Key": CLUSTER_TAG, "Value": CLUSTER}])
+    # The schedules' dead-letter queue (auto-named by Pulumi: logical name plus a suffix).
+    aws.sqs.create_queue(QueueName=f"{CLUSTER}-expiry-failures-1a2b3c4", tags={CLUSTER_TAG: CLUSTER})
     # The all-or-nothing reservation (moto has none: the fake holds it).
     extras.reservations["cr-0aaaabbbbccccdddd"] = {
         "CapacityReservationId": "cr-0aaaabbbbccccdddd", "InstanceType": "p4d.24xlarge", "State": "active",
@@ -114,7 +116,8 @@ def test_sweep_reports_without_force_and_deletes_nothing(aws, planted):
     assert kinds == sorted(["vpc", "subnet", "internet-gateway", "elastic-ip", "nat-gateway", "route-table",
                             "vpc-endpoint", "security-group", "launch-template", "placement-group",
                             "instance", "network-interface", "volume", "key-pair", "fsx-file-system",
-                            "schedule-group", "iam-role", "instance-profile", "capacity-reservation"])
+                            "schedule-group", "iam-role", "instance-profile", "capacity-reservation",
+                            "sqs-queue"])
     assert sum(item.kind == "instance" for item in report.found) == 2
     assert sum(item.kind == "security-group" for item in report.found) == 2
     assert not report.deleted and not report.clean
@@ -133,11 +136,11 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
     untagged = aws.ec2.create_volume(AvailabilityZone="us-east-1b", Size=8)["VolumeId"]
     aws.iam.create_role(RoleName=f"{CLUSTER}-hand-made", AssumeRolePolicyDocument="{}")
 
-    calls = record_calls(aws.ec2, aws.fsx, aws.scheduler, aws.iam)
+    calls = record_calls(aws.ec2, aws.fsx, aws.scheduler, aws.iam, aws.sqs)
     report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
     assert report.failed == []
     assert report.clean, sweep.describe_report(report, CLUSTER)
-    assert len(report.deleted) == 22
+    assert len(report.deleted) == 23
 
     calls += extras.calls  # the fake answers DeletePlacementGroup before the recorder's turn is visible
     def first(op: str) -> int:
@@ -147,6 +150,8 @@ def test_forced_sweep_deletes_in_dependency_order_and_is_idempotent(aws, planted
         return len(calls) - 1 - calls[::-1].index(op)
 
     assert first("DeleteScheduleGroup") < first("TerminateInstances")
+    # The dead-letter queue goes once no schedule can write to it.
+    assert first("DeleteScheduleGroup") < first("DeleteQueue")
     # Instances are terminated and waited for before anything they hold.
     waited = calls.index("DescribeInstances", last("TerminateInstances"))
     for op in ("DeleteNetworkInterface", "DeleteVolume", "DeleteSecurityGroup", "DeleteSubnet"):
@@ -195,6 +200,22 @@ def test_one_failed_deletion_is_reported_and_the_rest_continue(aws, planted):
     assert [item.id for item in report.found] == [ids["vpc"]]
     text = sweep.describe_report(report, CLUSTER)
     assert f"could not delete vpc {ids['vpc']} (10.42.0.0/16): DependencyViolation" in text
+
+
+def test_expiry_dead_letter_queue_is_swept_by_its_tag_and_others_are_left_alone(aws):
+    Ec2Extras(aws.ec2)
+    ours = aws.sqs.create_queue(QueueName=f"{CLUSTER}-expiry-failures-9f8e7d6",
+                                tags={CLUSTER_TAG: CLUSTER})["QueueUrl"]
+    others = [aws.sqs.create_queue(QueueName=f"{CLUSTER}-hand-made")["QueueUrl"],
+              aws.sqs.create_queue(QueueName="other-expiry-failures-1",
+                                   tags={CLUSTER_TAG: "other"})["QueueUrl"]]
+    report = sweep.sweep(aws, CLUSTER, out=lambda _: None)
+    # Its own kind, not an "other tagged resource" the sweep would refuse to delete.
+    assert [(i.kind, i.id) for i in report.found] == [("sqs-queue", ours)]
+    assert "--force` deletes it" in sweep.describe_report(report, CLUSTER)
+    report = sweep.sweep(aws, CLUSTER, force=True, out=lambda _: None)
+    assert [(i.kind, i.id) for i in report.deleted] == [("sqs-queue", ours)] and report.clean
+    assert sorted(aws.sqs.list_queues()["QueueUrls"]) == sorted(others)
 
 
 def _planted_bucket(aws, name: str) -> None:

@@ -161,6 +161,27 @@ def test_status_and_list_as_json(home, tmp_path, capsys, monkeypatch):
     assert table[2].split() == ["*", "cli-b", "aws", "0", "0m", "2099-12-03T13:00:00Z", "87.99"]
 
 
+def test_list_and_status_show_a_spot_cap_or_an_unknown_cost_not_the_priced_rest(home, tmp_path, capsys):
+    """`up` records the hourly total, or for a cluster without a fixed price (spot, a Capacity
+    Block) its cap or nothing: `list` and `status` say so rather than showing the NAT gateway and
+    disks as the cluster's cost."""
+    spot = local_cluster(tmp_path, "cli-spot", nodes=0)
+    spot.update(target="aws", pulumi_stack="cli-spot", cost_per_hour=None, cost_per_hour_max=220.31)
+    block = local_cluster(tmp_path, "cli-block", nodes=0)
+    block.update(target="aws", pulumi_stack="cli-block", cost_per_hour=None, cost_per_hour_max=None)
+    assert main(["list"]) == 0
+    rows = {line.split()[1 if line.startswith("*") else 0]: line.split()[-1]
+            for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows == {"cli-spot": "<=220.31", "cli-block": "unknown"}
+    assert main(["list", "--json"]) == 0
+    listed = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert (listed["cli-spot"]["cost_per_hour"], listed["cli-spot"]["cost_per_hour_max"]) == (None, 220.31)
+    for name, said in (("cli-spot", "cost: at most 220.31 USD per hour"),
+                       ("cli-block", "cost: an unknown amount per hour")):
+        assert main(["status", "--cluster", name]) == 0
+        assert said in capsys.readouterr().out
+
+
 def test_list_without_clusters_says_how_to_make_one(home, capsys):
     assert main(["list"]) == 0
     assert "fsdpctl up SPEC.yaml" in capsys.readouterr().out
@@ -194,7 +215,8 @@ def test_up_of_an_existing_aws_cluster_keeps_the_new_spec_and_its_last_good_copy
     from fsdpctl.targets import aws
 
     monkeypatch.setattr(aws, "check_prerequisites", lambda action: None)
-    monkeypatch.setattr(aws, "up", lambda *a, **kw: None)  # the stack update itself: tests/aws
+    # The stack update itself (tests/aws) asks before it changes anything; the spec copy follows the yes.
+    monkeypatch.setattr(aws, "up", lambda *a, approve, **kw: approve("Apply these changes?"))
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(demo_data(name="cli-up", node_count=2, ssh_cidr="198.51.100.0/24")))
     assert main(["up", str(changed), "--target", "aws", "--yes"]) == 0

@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from fsdpctl.cli import main
-from fsdpctl.plan import estimate_cost, load_prices, render_text
+from fsdpctl.plan import estimate_cost, load_prices, render_json, render_text
 from infra import offline
-from tests.infra.conftest import REPO, demo_data, plan_of
+from infra.spec import RANK_TAG
+from tests.infra.conftest import EXPIRES_AT, REPO, demo_data, plan_of
 
 DEMO = str(REPO / "examples" / "demo.yaml")
 
@@ -38,11 +39,12 @@ def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
     out = capsys.readouterr().out
     for heading in ("Network", "Security", "Storage", "Identity", "Compute", "Expiry"):
         assert f"\n  {heading}\n" in out
-    assert "Resources `pulumi up` would create: 38" in out
+    assert "Resources `pulumi up` would create: 43" in out
     assert "4 EFA on 4 network cards" in out and "IMDSv2 required" in out
     assert "in: all itself, tcp/22 <demo-bastion.id>" in out
     assert "demo-node3" in out and "rank 3" in out
-    assert "every byte deleted within 7 days (6 current + 1 noncurrent)" in out
+    assert ("every byte deleted within 7 days (4 current + 1 noncurrent, each rounded up to midnight "
+            "UTC by S3)") in " ".join(out.split())
     assert "Warnings: none" in out
     expected = demo_cost_per_hour(load_prices())
     assert f"Total: {expected:,.2f} USD per hour, {expected * 24:,.2f} USD per day" in out
@@ -57,7 +59,7 @@ def test_plan_json_is_the_graph_outputs_and_cost(capsys):
     assert main(["plan", DEMO, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["cluster"] == "demo"
-    assert len(report["resources"]) == 38 and sum(report["counts"].values()) == 38
+    assert len(report["resources"]) == 43 and sum(report["counts"].values()) == 43
     assert report["counts"]["aws:ec2/instance:Instance"] == 5
     assert [n["efa_count"] for n in report["outputs"]["nodes"]] == [4, 4, 4, 4]
     assert report["warnings"] == []
@@ -99,6 +101,45 @@ def test_spot_capacity_blocks_and_missing_regions_are_not_priced_as_on_demand():
     assert node_line.unit_price is None and "--prices" in node_line.note
 
 
+def test_a_spot_total_is_a_cap_from_spot_max_price_or_the_on_demand_price_not_the_priced_rest():
+    """4 x p5 spot once planned at "0.1542 USD per hour" (the NAT gateway and disks only). The spot
+    price is not known in advance; what the nodes can cost is: at most the spot_max_price the launch
+    template passes, else at most the on-demand price (EC2's default max price)."""
+    prices = load_prices()
+    on_demand = prices["regions"]["us-east-1"]["instance_hour"]["p5.48xlarge"]
+    for capacity, cap in (({"type": "spot"}, on_demand), ({"type": "spot", "spot_max_price": 30.0}, 30.0)):
+        plan = plan_of(instance_type="p5.48xlarge", capacity=capacity)
+        cost = estimate_cost(plan, prices)
+        assert cost.per_hour is None and cost.per_day is None and not cost.complete
+        assert 0 < cost.known_per_hour < 1
+        assert cost.max_per_hour == pytest.approx(cost.known_per_hour + 4 * cap)
+        assert cost.headline().startswith(f"at most {cost.max_per_hour:,.2f} USD per hour (")
+        assert "spot" in cost.headline()
+        text = " ".join(render_text(plan, cost, today=date(2025, 7, 1)).split())
+        assert f"Total: at most {cost.max_per_hour:,.2f} USD per hour" in text
+        assert f"Total: {cost.known_per_hour:.4g} USD" not in text
+        data = cost.to_dict()
+        assert data["per_hour"] is None and data["max_per_hour"] == pytest.approx(cost.max_per_hour, abs=1e-3)
+        assert data["known_per_hour"] == pytest.approx(cost.known_per_hour, abs=1e-3)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"capacity": {"type": "capacity-block", "reservation_id": "cr-0123456789abcdef0"}},
+    {"region": "af-south-1", "availability_zone": "af-south-1a"},
+])
+def test_a_total_without_a_gpu_price_or_bound_is_unknown_and_says_why(overrides):
+    plan = plan_of(**overrides)
+    cost = estimate_cost(plan, load_prices())
+    assert cost.per_hour is None and cost.max_per_hour is None
+    headline = cost.headline()
+    assert headline.startswith("an unknown amount per hour (")
+    assert f"the priced items alone are {cost.known_per_hour:,.2f} USD per hour" in headline
+    (gpu,) = [line for line in cost.lines if line.item.startswith("p4d")]
+    assert gpu.item in headline and gpu.note in headline
+    text = " ".join(render_text(plan, cost, today=date(2025, 7, 1)).split())
+    assert "Total: unknown" in text and "Total: 0." not in text
+
+
 def test_every_region_of_the_offerings_table_is_priced():
     """The GPU price is the region's own (offerings table); NAT, IPv4, EBS and the bastion borrow
     the fallback region's rates and say so."""
@@ -116,7 +157,8 @@ def test_every_region_of_the_offerings_table_is_priced():
             cost = estimate_cost(plan_of(instance_type=itype, node_count=1, region=region,
                                          availability_zone=f"{region}a"), prices)
             assert cost.complete is (hourly is not None), (itype, region)
-            assert cost.per_hour > (hourly or 0)
+            assert cost.known_per_hour > (hourly or 0)
+            assert (cost.per_hour is None) is (hourly is None), (itype, region)
 
 
 def test_plan_warns_about_a_type_the_region_does_not_offer():
@@ -269,3 +311,82 @@ def test_plan_fits_the_hugging_face_presets_with_their_variants(tmp_path, capsys
         assert main(["plan", spec, "--json", "--trainer-config", config]) == 0
         fit = json.loads(capsys.readouterr().out)["memory_fit"]
         assert (fit["config"], fit["world_size"], fit["gpu"], fit["fits"]) == (config, 8, "h100", fits)
+
+
+# ---- what bills when `up` fails half-way ------------------------------------------------------
+def _graph(ordered: bool) -> offline.OfflinePlan:
+    """A NAT gateway, its address, a bastion, a reservation and two nodes, with their expiry
+    schedules: `ordered` as the program creates them (every other schedule before the reservation,
+    the reservation's before the nodes), else with nothing ordering them before the capacity."""
+    def urn(name: str) -> str:
+        return f"urn:pulumi:demo::fsdp-cluster::x${name}"
+
+    def resource(typ: str, name: str, depends: tuple[str, ...] = (), **inputs) -> offline.Registration:
+        return offline.Registration(typ, name, inputs, custom=True, id=f"<{name}.id>", urn=urn(name),
+                                    dependencies=[urn(d) for d in depends])
+
+    def schedule(name: str, stops: str) -> offline.Registration:
+        payload = json.dumps({"Id": f"<{stops}.allocation_id>" if stops == "nat-ip" else f"<{stops}.id>"})
+        return resource("aws:scheduler/schedule:Schedule", name, (stops,), target={"input": payload})
+
+    before_capacity = ("expiry-nat", "expiry-nat-ip", "expiry-bastion") if ordered else ()
+    before_nodes = ("capacity", *before_capacity, *(("expiry-capacity",) if ordered else ()))
+    mocks = offline.RecordingMocks()
+    mocks.registrations = [
+        resource("aws:ec2/eip:Eip", "nat-ip"), resource("aws:ec2/natGateway:NatGateway", "nat", ("nat-ip",)),
+        resource("aws:ec2/instance:Instance", "bastion", tags={"Name": "bastion"}),
+        resource("aws:s3/bucket:Bucket", "checkpoints"),
+        schedule("expiry-nat", "nat"), schedule("expiry-nat-ip", "nat-ip"),
+        schedule("expiry-bastion", "bastion"),
+        resource("aws:ec2/capacityReservation:CapacityReservation", "capacity", before_capacity),
+        schedule("expiry-capacity", "capacity"),
+        *[resource("aws:ec2/instance:Instance", f"node{r}", before_nodes, tags={RANK_TAG: str(r)})
+          for r in (0, 1)],
+        schedule("expiry-node0", "node0"), schedule("expiry-node1", "node1"),
+    ]
+    return offline.OfflinePlan(spec=plan_of().spec, expires_at=EXPIRES_AT, mocks=mocks)
+
+
+def test_what_bills_after_a_failed_capacity_purchase_is_read_off_the_creation_order():
+    """Pulumi starts no new step after a failed one; buying GPU capacity (the reservation, a node)
+    is the step that fails. What was created before keeps billing: until the expiry when its
+    schedule was sure to exist before that step, else until `fsdpctl down`. A node launched
+    before another failed has no schedule yet; an empty bucket bills nothing."""
+    from fsdpctl.plan.cost import if_up_fails
+
+    ordered = if_up_fails(_graph(ordered=True))
+    assert ordered.until_expiry == ["instance bastion", "NAT gateway nat", "Elastic IP (public IPv4) nat-ip",
+                                    "capacity reservation capacity"]
+    assert ordered.until_down == ["instance node0", "instance node1"]
+    unordered = if_up_fails(_graph(ordered=False))
+    assert unordered.until_expiry == []
+    assert unordered.until_down == ["instance bastion", "NAT gateway nat", "Elastic IP (public IPv4) nat-ip",
+                                    "capacity reservation capacity", "instance node0", "instance node1"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"storage": {"fsx": {"enabled": True}}, "node_count": 1},
+                                       {"capacity": {"type": "spot"}}, {"expiry_hours": None}])
+def test_plan_says_what_bills_if_up_fails_half_way_and_until_when(overrides):
+    from fsdpctl.plan.cost import BILLED_TYPES, if_up_fails
+
+    plan = plan_of(**overrides)
+    failed = if_up_fails(plan)
+    listed = failed.until_expiry + failed.until_down
+    nodes = {f"instance {r.name}" for r in plan.mocks.of_type("aws:ec2/instance:Instance")
+             if RANK_TAG in r.tags}
+    others = {f"{BILLED_TYPES[r.type]} {r.name}" for r in plan.mocks.resources
+              if r.type in BILLED_TYPES and r.type != "aws:s3/bucket:Bucket"} - nodes
+    # Everything billed that is not GPU capacity, and the nodes launched before another one failed.
+    assert set(listed) == others | (nodes if len(nodes) > 1 else set())
+    assert len(listed) == len(set(listed))
+    assert not nodes & set(failed.until_expiry)
+    if plan.spec.expiry_hours is None:
+        assert failed.until_expiry == []
+    text = " ".join(render_text(plan, estimate_cost(plan, load_prices())).split())
+    assert "If `up` fails half-way (InsufficientInstanceCapacity" in text
+    if failed.until_expiry:
+        until_expiry = ", ".join(failed.until_expiry)
+        assert f"bill until the expiry at {EXPIRES_AT} stops them: {until_expiry}" in text
+    assert ("bill until `fsdpctl down`: " + ", ".join(failed.until_down)) in text
+    report = json.loads(render_json(plan, estimate_cost(plan, load_prices())))
+    assert report["if_up_fails"] == {"until_expiry": failed.until_expiry, "until_down": failed.until_down}

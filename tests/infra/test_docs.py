@@ -3,11 +3,13 @@ the meaning its docstring gives."""
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from infra.spec import ClusterSpec
-from tests.infra.conftest import REPO
+from tests.infra.conftest import REPO, plan_of
 
 DOC = (REPO / "docs" / "cluster-spec.md").read_text()
 
@@ -56,3 +58,30 @@ def test_every_spec_field_is_documented_with_its_default():
             assert f"`{str(default).lower()}`" in row, (path, default)
         elif isinstance(default, (int, str)) and not isinstance(default, bool) and default != "":
             assert f"`{getattr(default, 'value', default)}`" in row, (path, default)
+
+
+# What each expiry call stops, as the expiry_hours docstring names it.
+STOPPED_BY = {
+    "ec2:terminateInstances": ("nodes", "bastion"),
+    "ec2:cancelCapacityReservation": ("reservation",),
+    "ec2:deleteNatGateway": ("NAT gateway",),
+    "ec2:releaseAddress": ("Elastic IP",),
+    "fsx:deleteFileSystem": ("FSx",),
+}
+
+
+def test_expiry_hours_says_what_the_expiry_stops_and_what_stays():
+    """The expiry_hours docstring (and so docs/cluster-spec.md) against the program's schedules:
+    everything they stop is named, and nothing they stop is among what it says stays or keeps
+    billing."""
+    plan = plan_of(storage={"fsx": {"enabled": True}})
+    calls = {s.inputs["target"]["arn"].split(":aws-sdk:")[1]
+             for s in plan.mocks.of_type("aws:scheduler/schedule:Schedule")}
+    assert calls == set(STOPPED_BY)
+    doc = " ".join(ClusterSpec.model_fields["expiry_hours"].description.split())
+    staying = [s for s in re.split(r"(?<=\.) ", doc) if "stay" in s or "keeps billing" in s]
+    assert staying, doc
+    for call in calls:
+        for word in STOPPED_BY[call]:
+            assert word in doc, (call, word)
+            assert not [s for s in staying if word in s], (call, word, staying)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from infra.program import OUTPUT_NAMES
-from infra.spec import CLUSTER_TAG, EXPIRES_TAG
+from infra.spec import CLUSTER_TAG, EXPIRES_TAG, RANK_TAG
 from tests.infra.conftest import EXPIRES_AT, REPO, demo_data, plan_of
 
 VARIANTS = {
@@ -60,14 +60,75 @@ EXPECTED_DEMO_COUNTS = {
     "aws:ec2/instance:Instance": 5,  # 4 nodes + the bastion
     # All 4 nodes in one all-or-nothing On-Demand Capacity Reservation.
     "aws:ec2/capacityReservation:CapacityReservation": 1,
-    # Expiry: terminate nodes + bastion, cancel the reservation, delete the NAT gateway, release
-    # its Elastic IP.
-    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 4,
+    # Expiry: terminate each node and the bastion on its own, cancel the reservation, delete the
+    # NAT gateway, release its Elastic IP; the dead-letter queue of the failed calls.
+    "aws:scheduler/scheduleGroup:ScheduleGroup": 1, "aws:scheduler/schedule:Schedule": 8,
+    "aws:sqs/queue:Queue": 1,
 }
 
 
 def test_demo_resource_counts(demo_plan):
     assert demo_plan.mocks.counts() == EXPECTED_DEMO_COUNTS
+
+
+SCHEDULE, INSTANCE = "aws:scheduler/schedule:Schedule", "aws:ec2/instance:Instance"
+RESERVATION = "aws:ec2/capacityReservation:CapacityReservation"
+
+
+def _waits_for(plan, record) -> set[str]:
+    """Names of every resource the engine must have created before it starts `record` (its
+    dependencies, theirs, and so on)."""
+    by_urn = {r.urn: r for r in plan.mocks.registrations if r.urn}
+    seen: set[str] = set()
+    todo = list(record.dependencies)
+    while todo:
+        urn = todo.pop()
+        if urn not in seen:
+            seen.add(urn)
+            todo += by_urn[urn].dependencies
+    return {by_urn[urn].name for urn in seen}
+
+
+def test_capacity_is_bought_only_once_everything_else_billed_has_its_expiry(variant):
+    """Pulumi starts no new step after a failed one, and buying GPU capacity is the step that fails
+    (InsufficientInstanceCapacity on the reservation or a node). So the NAT gateway, its address,
+    the file system and the bastion get their expiry schedules before the reservation is asked for,
+    the reservation gets its own before any node is launched, and each node gets its own right after
+    it exists."""
+    name, plan = variant
+    schedules = {s.name: s for s in plan.mocks.of_type(SCHEDULE)}
+    nodes = [i for i in plan.mocks.of_type(INSTANCE) if RANK_TAG in i.tags]
+    node_schedules = {f"demo-expiry-node{n.tags[RANK_TAG]}" for n in nodes}
+    assert node_schedules <= set(schedules), name
+    before_capacity = set(schedules) - node_schedules - {"demo-expiry-capacity"}
+    expected = {"demo-expiry-bastion"} if plan.spec.access.bastion else set()
+    expected |= {"demo-expiry-nat", "demo-expiry-nat-ip"} if plan.spec.network.creates_vpc else set()
+    expected |= {"demo-expiry-fsx"} if plan.spec.storage.fsx.enabled else set()
+    assert before_capacity == expected, name
+    for reservation in plan.mocks.of_type(RESERVATION):
+        assert before_capacity <= _waits_for(plan, reservation), name
+        assert reservation.name in _waits_for(plan, schedules["demo-expiry-capacity"]), name
+    for node in nodes:
+        assert set(schedules) - node_schedules <= _waits_for(plan, node), (name, node.name)
+        assert node.name in _waits_for(plan, schedules[f"demo-expiry-node{node.tags[RANK_TAG]}"]), name
+
+
+def _iam_action(target_arn: str) -> str:
+    """arn:aws:scheduler:::aws-sdk:ec2:terminateInstances -> ec2:TerminateInstances"""
+    service, action = target_arn.rsplit(":", 2)[1:]
+    return f"{service}:{action[0].upper()}{action[1:]}"
+
+
+def test_the_expiry_role_may_make_the_calls_of_its_schedules_and_little_else(variant):
+    name, plan = variant
+    called = {_iam_action(s.inputs["target"]["arn"]) for s in plan.mocks.of_type(SCHEDULE)}
+    policy = plan.mocks.named("demo-expiry-stop", "aws:iam/rolePolicy:RolePolicy")
+    allowed = {action for statement in json.loads(policy.inputs["policy"])["Statement"]
+               for action in ([statement["Action"]] if isinstance(statement["Action"], str)
+                              else statement["Action"])}
+    assert called <= allowed, name
+    # Delivering a dead letter; deleting a file system with its S3 association.
+    assert allowed - called <= {"sqs:SendMessage", "fsx:DeleteDataRepositoryAssociation"}, name
 
 
 def test_components_own_their_resources(demo_plan):

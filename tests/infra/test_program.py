@@ -6,6 +6,8 @@ as floats)."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
+from datetime import time as dt_time
 
 import pytest
 
@@ -296,9 +298,7 @@ def test_checkpoint_bucket_is_private_versioned_encrypted_and_expires_after_rete
     assert sse["rules"][0]["applyServerSideEncryptionByDefault"]["sseAlgorithm"] in ("AES256", "aws:kms")
     rule, markers = m.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration").inputs["rules"]
     assert rule["status"] == markers["status"] == "Enabled"
-    # Every byte is gone within retention_days: 13 days current + 1 day noncurrent.
-    assert rule["expiration"]["days"] + rule["noncurrentVersionExpiration"]["noncurrentDays"] == 14.0
-    assert rule["noncurrentVersionExpiration"]["noncurrentDays"] == 1.0
+    # How long that keeps a byte: test_no_byte_outlives_the_retention_promise_under_s3_rounding.
     assert rule["abortIncompleteMultipartUpload"]["daysAfterInitiation"] == 1.0
     assert rule["filter"] == markers["filter"] == {"prefix": ""}
     assert markers["expiration"] == {"expiredObjectDeleteMarker": True}
@@ -310,6 +310,21 @@ def test_checkpoint_bucket_goes_with_the_cluster_unless_kept(demo_plan):
     assert demo_plan.mocks.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is True
     kept = plan_of(checkpoint_bucket={"keep_on_down": True})
     assert kept.mocks.one("aws:s3/bucket:Bucket").inputs["forceDestroy"] is False
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_kept_bucket_keeps_its_lifecycle_encryption_versioning_and_public_access_block(keep):
+    """`pulumi destroy` deletes whatever is not retained: a kept bucket keeps every setting of it, or
+    it would be left without its public access block, with versioning suspended, with S3's default
+    encryption instead of ours and without the lifecycle that deletes its bytes."""
+    plan = plan_of(checkpoint_bucket={"keep_on_down": keep})
+    bucket = plan.mocks.one("aws:s3/bucket:Bucket")
+    of_bucket = [r for r in plan.mocks.resources if r.inputs.get("bucket") == bucket.id]
+    assert {r.type.rsplit(":", 1)[-1] for r in of_bucket} == {
+        "BucketPublicAccessBlock", "BucketVersioning", "BucketServerSideEncryptionConfiguration",
+        "BucketLifecycleConfiguration"}
+    assert {(r.name, r.retain_on_delete) for r in [bucket, *of_bucket]} == {
+        (r.name, keep) for r in [bucket, *of_bucket]}
 
 
 def test_named_checkpoint_bucket():
@@ -360,63 +375,124 @@ def _schedules(plan):
     return {r.name: r.inputs for r in plan.mocks.of_type(SCHEDULE)}
 
 
+NODE_SCHEDULES = {f"demo-expiry-node{rank}" for rank in range(4)}
+QUEUE = "aws:sqs/queue:Queue"
+
+
+def _statements(plan):
+    return json.loads(plan.mocks.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
+
+
 def test_expiry_schedules_stop_every_billed_resource(demo_plan):
     m = demo_plan.mocks
     group = m.one("aws:scheduler/scheduleGroup:ScheduleGroup")
     assert group.inputs["name"] == "fsdp-cluster-demo" and group.tags[CLUSTER_TAG] == "demo"
     schedules = _schedules(demo_plan)
-    assert set(schedules) == {"demo-expiry", "demo-expiry-capacity", "demo-expiry-nat", "demo-expiry-nat-ip"}
+    assert set(schedules) == NODE_SCHEDULES | {"demo-expiry-bastion", "demo-expiry-capacity",
+                                               "demo-expiry-nat", "demo-expiry-nat-ip"}
     role = m.named("demo-expiry", ROLE)
+    queue = m.one(QUEUE)
     for schedule in schedules.values():
         assert schedule["groupName"] == "fsdp-cluster-demo"
         assert schedule["scheduleExpressionTimezone"] == "UTC"
         assert schedule["flexibleTimeWindow"] == {"mode": "OFF"}
         assert schedule["target"]["roleArn"] == f"<{role.name}.arn>"
-    terminate, nat, nat_ip = (schedules[n]["target"] for n in ("demo-expiry", "demo-expiry-nat",
-                                                               "demo-expiry-nat-ip"))
-    assert schedules["demo-expiry"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
+        # A call that still fails after the retries lands in the queue, where `status` reports it.
+        assert schedule["target"]["deadLetterConfig"] == {"arn": f"<{queue.name}.arn>"}
+    nat, nat_ip = (schedules[n]["target"] for n in ("demo-expiry-nat", "demo-expiry-nat-ip"))
+    assert schedules["demo-expiry-node0"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
     assert schedules["demo-expiry-nat"]["scheduleExpression"] == "at(2026-12-03T13:00:00)"
     # The Elastic IP only once the NAT gateway that holds it is gone.
     assert schedules["demo-expiry-nat-ip"]["scheduleExpression"] == "at(2026-12-03T14:00:00)"
-    assert terminate["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
-    bastion = next(i for i in m.of_type(INSTANCE) if RANK_TAG not in i.tags)
-    assert json.loads(terminate["input"]) == {"InstanceIds": [n.id for n in nodes(demo_plan)] + [bastion.id]}
     assert nat["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:deleteNatGateway"
     assert json.loads(nat["input"]) == {"NatGatewayId": m.one("aws:ec2/natGateway:NatGateway").id}
     assert nat_ip["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:releaseAddress"
     assert json.loads(nat_ip["input"]) == {"AllocationId": "<demo-nat-ip.allocation_id>"}
     trust = json.loads(role.inputs["assumeRolePolicy"])["Statement"][0]
     assert trust["Principal"] == {"Service": "scheduler.amazonaws.com"}
-    statements = json.loads(m.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
     capacity = schedules["demo-expiry-capacity"]["target"]
     assert capacity["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:cancelCapacityReservation"
     assert json.loads(capacity["input"]) == {
         "CapacityReservationId": m.one("aws:ec2/capacityReservation:CapacityReservation").id}
+    statements = _statements(demo_plan)
     assert {(s["Action"], s["Resource"]) for s in statements} == {
         ("ec2:TerminateInstances", "arn:aws:ec2:us-east-1:*:instance/*"),
         ("ec2:CancelCapacityReservation", "arn:aws:ec2:us-east-1:*:capacity-reservation/*"),
         ("ec2:DeleteNatGateway", "arn:aws:ec2:us-east-1:*:natgateway/*"),
-        ("ec2:ReleaseAddress", "arn:aws:ec2:us-east-1:*:elastic-ip/*")}
+        ("ec2:ReleaseAddress", "arn:aws:ec2:us-east-1:*:elastic-ip/*"),
+        # Scheduler delivers a dead letter with the schedule's own role (no queue policy needed).
+        ("sqs:SendMessage", f"<{queue.name}.arn>")}
+    own = {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
     for statement in statements:
-        assert statement["Condition"] == {"StringEquals": {"aws:ResourceTag/fsdp-cluster:cluster": "demo"}}
+        if statement["Action"] != "sqs:SendMessage":
+            assert statement["Condition"] == own
 
 
-def test_expiry_deletes_the_file_system_too():
+def test_each_instance_is_terminated_by_its_own_schedule(demo_plan):
+    """One TerminateInstances call per instance: AWS refuses a whole call when one of its ids is gone
+    (a spot interruption, a reclaimed Capacity Block node, a half-done replace), which would leave
+    every other node billing."""
+    schedules = _schedules(demo_plan)
+    [bastion] = bastions(demo_plan)
+    expected = {f"demo-expiry-node{node.tags[RANK_TAG]}": node.id for node in nodes(demo_plan)}
+    expected["demo-expiry-bastion"] = bastion.id
+    for name, instance_id in expected.items():
+        target = schedules[name]["target"]
+        assert target["arn"] == "arn:aws:scheduler:::aws-sdk:ec2:terminateInstances"
+        assert json.loads(target["input"]) == {"InstanceIds": [instance_id]}, name
+
+
+def test_expiry_failures_wait_in_an_encrypted_dead_letter_queue(demo_plan):
+    queue = demo_plan.mocks.one(QUEUE)
+    assert queue.component == "fsdp-cluster:index:Expiry"
+    assert queue.inputs["sqsManagedSseEnabled"] is True
+    assert queue.inputs["messageRetentionSeconds"] == 14 * 24 * 3600.0  # SQS's longest
+    assert "fifoQueue" not in queue.inputs  # Scheduler refuses a FIFO dead-letter queue
+    assert queue.tags[CLUSTER_TAG] == "demo"  # the sweep finds it by this tag
+    assert demo_plan.outputs["expiry_queue_url"] == f"<{queue.name}.url>"
+    assert plan_of(expiry_hours=None).outputs["expiry_queue_url"] is None
+
+
+def test_the_file_system_is_deleted_at_expiry_without_backup_by_default():
     plan = plan_of(storage={"fsx": {"enabled": True}})
     fsx = plan.mocks.one("aws:fsx/lustreFileSystem:LustreFileSystem")
     target = _schedules(plan)["demo-expiry-fsx"]["target"]
     assert target["arn"] == "arn:aws:scheduler:::aws-sdk:fsx:deleteFileSystem"
     assert json.loads(target["input"]) == {"FileSystemId": fsx.id,
                                            "LustreConfiguration": {"SkipFinalBackup": True}}
-    statements = json.loads(plan.mocks.named("demo-expiry-stop", POLICY).inputs["policy"])["Statement"]
-    assert any(s["Action"][0] == "fsx:DeleteFileSystem" and s["Resource"] == "arn:aws:fsx:us-east-1:*:*"
-               for s in statements)
+    [statement] = [s for s in _statements(plan) if s["Resource"].startswith("arn:aws:fsx:")]
+    assert statement["Action"] == ["fsx:DeleteFileSystem", "fsx:DeleteDataRepositoryAssociation"]
+    assert statement["Resource"] == "arn:aws:fsx:us-east-1:*:*"
+
+
+def test_the_file_system_can_get_a_final_backup_at_expiry():
+    plan = plan_of(storage={"fsx": {"enabled": True, "at_expiry": "backup"}})
+    fsx = plan.mocks.one("aws:fsx/lustreFileSystem:LustreFileSystem")
+    target = _schedules(plan)["demo-expiry-fsx"]["target"]
+    assert json.loads(target["input"]) == {"FileSystemId": fsx.id, "LustreConfiguration": {
+        "SkipFinalBackup": False,
+        # Not the cluster tag: the backup is kept on purpose, and `down`'s sweep must not count it.
+        "FinalBackupTags": [{"Key": "fsdp-cluster:final-backup-of", "Value": "demo"},
+                            {"Key": "Name", "Value": "demo-fsx-final"}]}}
+    statements = {s["Sid"]: s for s in _statements(plan)}
+    assert "fsx:CreateBackup" in statements["DeleteThisClustersFileSystem"]["Action"]
+    # The backup does not exist yet, so it has no tag a condition could check.
+    backup = statements["CreateTheFinalBackup"]
+    assert backup["Action"] == ["fsx:CreateBackup", "fsx:TagResource"]
+    assert backup["Resource"] == "arn:aws:fsx:us-east-1:*:backup/*" and "Condition" not in backup
+
+
+def test_a_kept_file_system_has_no_expiry():
+    plan = plan_of(storage={"fsx": {"enabled": True, "at_expiry": "keep"}})
+    assert "demo-expiry-fsx" not in _schedules(plan)
+    assert not [s for s in _statements(plan) if s["Resource"].startswith("arn:aws:fsx:")]
 
 
 def test_existing_vpc_has_no_nat_schedule():
     plan = plan_of(network={"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0priv",
                             "public_subnet_id": "subnet-0pub"})
-    assert set(_schedules(plan)) == {"demo-expiry", "demo-expiry-capacity"}
+    assert set(_schedules(plan)) == NODE_SCHEDULES | {"demo-expiry-bastion", "demo-expiry-capacity"}
+    assert not [s for s in _statements(plan) if "natgateway" in s["Resource"]]
 
 
 def test_plain_pulumi_up_without_expires_at_uses_the_expiry_clock():
@@ -434,14 +510,15 @@ def test_plain_pulumi_up_without_expires_at_uses_the_expiry_clock():
         - timedelta(hours=plan.spec.expiry_hours)
     assert plan.outputs["expires_at"].endswith("Z")
     expected = f"at({plan.outputs['expires_at'][:-1]})"
-    assert _schedules(plan)["demo-expiry"]["scheduleExpression"] == expected
+    assert {s["scheduleExpression"] for s in _schedules(plan).values()} >= {expected}
+    assert _schedules(plan)["demo-expiry-node0"]["scheduleExpression"] == expected
     assert {n.tags[EXPIRES_TAG] for n in nodes(plan)} == {plan.outputs["expires_at"]}
     assert base.tzinfo is not None
 
 
 def test_no_expiry_schedule_when_expiry_is_disabled():
     plan = plan_of(expiry_hours=None)
-    assert not [t for t in plan.mocks.counts() if t.startswith("aws:scheduler")]
+    assert not [t for t in plan.mocks.counts() if t.startswith(("aws:scheduler", "aws:sqs"))]
     assert {r.tags.get(EXPIRES_TAG) for r in plan.mocks.resources if r.tags} == {"never"}
 
 
@@ -484,16 +561,51 @@ def test_provider_is_pinned_to_the_spec_region():
     assert {s.inputs["availabilityZone"] for s in plan.mocks.of_type(SUBNET)} == {"us-west-2a"}
 
 
-@pytest.mark.parametrize("retention", [1, 2, 7, 30])
-def test_no_byte_outlives_the_retention_promise(retention):
-    """Worst case per byte, S3 semantics: a version written on day 0 is current until day
-    `current` (or until overwritten, earlier), then noncurrent for `noncurrent` days."""
-    from infra.components.storage import lifecycle_days
+# ---- S3 lifecycle, as the S3 User Guide describes it ------------------------------------------
+# "Amazon S3 calculates the time by adding the number of days specified in the rule to the object
+# creation time and rounding the resulting time to the next day midnight UTC"; for noncurrent
+# versions the days count from when the version became noncurrent (when its successor, a newer
+# version or the delete marker an expiration adds, was created), rounded the same way.
+DAY = timedelta(days=1)
 
-    current, noncurrent = lifecycle_days(retention)
-    assert current >= 1 and noncurrent >= 1
-    for overwritten_on in range(current + 1):  # overwritten on day k, or expired on day `current`
-        assert overwritten_on + noncurrent <= max(retention, 2)
+
+def s3_due(start: datetime, days: float) -> datetime:
+    """When a lifecycle step with `days` falls due for something that started at `start`: rounded up
+    to the next midnight UTC (an exact midnight counted as the next one, the worst reading)."""
+    end = start + days * DAY
+    return datetime.combine(end.date(), dt_time(), UTC) + DAY
+
+
+def worst_case_age(rule: dict, write_times: list[datetime], acted_after: list[timedelta]) -> timedelta:
+    """The longest a byte written at any of `write_times` survives the rule: never overwritten (the
+    expiration adds a delete marker some time on the day it falls due, the version turns
+    noncurrent then), overwritten at any time before that, or left in an unfinished multipart
+    upload."""
+    current = rule["expiration"]["days"]
+    noncurrent = rule["noncurrentVersionExpiration"]["noncurrentDays"]
+    aborted = rule["abortIncompleteMultipartUpload"]["daysAfterInitiation"]
+    ages = []
+    for written in write_times:
+        expired = s3_due(written, current)
+        became_noncurrent = [expired + delay for delay in acted_after]
+        became_noncurrent += [written + (expired - written) * share for share in (0.01, 0.5, 0.999)]
+        ages += [s3_due(when, noncurrent) - written for when in became_noncurrent]
+        ages.append(s3_due(written, aborted) - written)
+    return max(ages)
+
+
+@pytest.mark.parametrize("retention", [4, 5, 7, 14, 30])
+def test_no_byte_outlives_the_retention_promise_under_s3_rounding(retention):
+    """A checkpoint written at any time of day is gone within retention_days, and the rule uses the
+    whole promise (a byte written at midnight lives exactly retention_days)."""
+    plan = plan_of(checkpoint_bucket={"retention_days": retention})
+    lifecycle = plan.mocks.one("aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration")
+    rule = lifecycle.inputs["rules"][0]
+    day0 = datetime(2026, 12, 3, tzinfo=UTC)
+    write_times = [day0 + timedelta(minutes=m) for m in range(0, 24 * 60, 10)]
+    write_times += [day0 + DAY - timedelta(seconds=1), day0 + timedelta(seconds=1)]
+    acted_after = [timedelta(0), timedelta(seconds=1), timedelta(hours=12), DAY - timedelta(seconds=1)]
+    assert worst_case_age(rule, write_times, acted_after) == retention * DAY
 
 
 def test_nodes_pin_their_template_version_and_ignore_later_template_changes(demo_plan):

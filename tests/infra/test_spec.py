@@ -13,7 +13,7 @@ from infra.spec import (
     load_spec,
     parse_spec,
 )
-from tests.infra.conftest import EXPIRES_AT, REPO, demo_data
+from tests.infra.conftest import EXPIRES_AT, REPO, demo_data, plan_of
 
 
 def test_demo_spec_defaults():
@@ -64,12 +64,25 @@ REJECTED = {
         "cr-0123456789abcdef0", "remove reservation_id"),
     "zero retention days": (
         {"checkpoint_bucket": {"retention_days": 0}}, "checkpoint_bucket.retention_days", 0, "use 7"),
+    "retention shorter than S3's rounding can keep": (
+        {"checkpoint_bucket": {"retention_days": 3}}, "checkpoint_bucket.retention_days", 3,
+        "at least 4"),
     "bastion user without an image": (
         {"access": {"ssh_user": "admin"}}, "access.ssh_user", "admin", "access.bastion: false"),
     "PERSISTENT_2 export path differs": (
         {"storage": {"fsx": {"enabled": True, "s3_import_path": "s3://data-bucket/in",
                              "s3_export_path": "s3://data-bucket/out"}}},
         "storage.fsx.s3_export_path", "s3://data-bucket/out", "s3://data-bucket/in"),
+    "FSx final backup of a scratch file system": (
+        {"storage": {"fsx": {"enabled": True, "deployment_type": "SCRATCH_2", "at_expiry": "backup"}}},
+        "storage.fsx.at_expiry", "backup", "use delete"),
+    "FSx final backup of a file system linked to S3": (
+        {"storage": {"fsx": {"enabled": True, "s3_import_path": "s3://data-bucket/in",
+                             "at_expiry": "backup"}}},
+        "storage.fsx.at_expiry", "backup", "s3_export_path"),
+    "unknown FSx expiry action": (
+        {"storage": {"fsx": {"enabled": True, "at_expiry": "snapshot"}}}, "storage.fsx.at_expiry", "snapshot",
+        "'delete', 'backup' or 'keep'"),
 }
 
 
@@ -90,6 +103,17 @@ def test_rejected_input_names_field_value_fix_and_registers_nothing(case):
     with pytest.raises(SpecError):
         run_offline(data, EXPIRES_AT, mocks=recorder)
     assert recorder.registrations == []
+
+
+def test_the_shortest_retention_accepted_is_the_shortest_the_lifecycle_rule_can_keep():
+    from infra.components.storage import MIN_RETENTION_DAYS, lifecycle_days, longest_kept_days
+
+    spec = parse_spec(demo_data(checkpoint_bucket={"retention_days": MIN_RETENTION_DAYS}))
+    current, noncurrent = lifecycle_days(spec.checkpoint_bucket.retention_days)
+    assert current >= 1 and noncurrent >= 1  # S3's minimum for both
+    assert longest_kept_days(current, noncurrent) == MIN_RETENTION_DAYS
+    with pytest.raises(SpecError):
+        parse_spec(demo_data(checkpoint_bucket={"retention_days": MIN_RETENTION_DAYS - 1}))
 
 
 def test_ssh_from_anywhere_needs_the_opt_in():
@@ -127,3 +151,37 @@ def test_spec_round_trips_through_the_stack_config_object():
                                 storage={"fsx": {"enabled": True, "s3_import_path": "s3://acme-data/x"}}))
     config_object = json.loads(json.dumps(spec.model_dump(mode="json")))
     assert parse_spec(config_object) == spec
+
+
+FSX_AT_EXPIRY_WARNINGS = {
+    "delete": "is deleted without a final backup",
+    "backup": "`fsdpctl down` does not delete it",
+    "keep": "keeps billing after the expiry",
+}
+
+
+@pytest.mark.parametrize("at_expiry", FSX_AT_EXPIRY_WARNINGS)
+def test_plan_and_up_warn_what_the_expiry_does_to_the_file_system(at_expiry):
+    """Deleted without a backup, backed up into a backup that outlives the cluster, or kept billing:
+    each is said in the warnings `plan` prints and `up` repeats before asking."""
+    from fsdpctl.plan import estimate_cost, load_prices, render_text
+
+    fsx = {"enabled": True, "deployment_type": "PERSISTENT_2", "at_expiry": at_expiry}
+    plan = plan_of(storage={"fsx": fsx})
+    [warning] = [w for w in plan.spec.warnings() if w.startswith("storage.fsx.at_expiry")]
+    assert FSX_AT_EXPIRY_WARNINGS[at_expiry] in warning
+    text = " ".join(render_text(plan, estimate_cost(plan, load_prices())).split())
+    assert "Warnings: none" not in text and FSX_AT_EXPIRY_WARNINGS[at_expiry] in text
+    # Nothing expires without expiry_hours, and there is nothing to say without FSx.
+    assert not [w for w in parse_spec(demo_data(expiry_hours=None, storage={"fsx": fsx})).warnings()
+                if w.startswith("storage.fsx")]
+    assert parse_spec(demo_data(storage={"fsx": {**fsx, "enabled": False}})).warnings() == []
+
+
+def test_the_file_system_kept_at_expiry_is_what_keeps_billing():
+    from fsdpctl.plan.cost import after_expiry
+
+    after = after_expiry(plan_of(storage={"fsx": {"enabled": True, "at_expiry": "keep"}}))
+    assert "FSx for Lustre file system demo-fsx" in after.still_billed
+    after = after_expiry(plan_of(storage={"fsx": {"enabled": True, "at_expiry": "backup"}}))
+    assert "FSx for Lustre file system demo-fsx" in after.stopped

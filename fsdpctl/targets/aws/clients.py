@@ -79,6 +79,10 @@ class AwsClients:
         return self._client("iam")
 
     @cached_property
+    def sqs(self):
+        return self._client("sqs")
+
+    @cached_property
     def tagging(self):
         return self._client("resourcegroupstaggingapi")
 

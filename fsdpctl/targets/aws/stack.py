@@ -1,10 +1,12 @@
 """The aws target's verbs over the Pulumi Automation API and the repository's Pulumi program.
 
 `up` checks for the pulumi CLI, runs the pre-flight checks (nothing is created when one fails),
-provides an SSH key, sets the stack config (`aws:region`, `fsdp-cluster:cluster` = the spec,
+provides an SSH key, works out the stack config (`aws:region`, `fsdp-cluster:cluster` = the spec,
 `fsdp-cluster:expiresAt` pinned at first creation), shows what it will create (the offline plan for a
-new stack, Pulumi's preview diff for an existing one) with its cost, asks, runs `pulumi up` with its
-progress and records the nodes, SSH settings, shared dir and stack outputs in the cluster state.
+new stack, Pulumi's preview diff of that config for an existing one) with its cost, asks, and only
+then creates the stack, writes the config, runs `pulumi up` with its progress and records the nodes,
+SSH settings, shared dir and stack outputs in the cluster state: a "no" leaves everything as it was.
+`extend` and `replace_node` update only what they are for (a targeted `pulumi up`).
 `down` runs `pulumi destroy` and then the leftover sweep (sweep.py); it raises when anything is left.
 `replace_node` terminates one node and lets Pulumi recreate it under the same rank.
 
@@ -19,10 +21,16 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import botocore.exceptions
+import yaml
 
 from fsdpctl import state as state_mod
 from fsdpctl.checkout import REPO_ROOT
@@ -30,8 +38,9 @@ from fsdpctl.console import Out
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.state import ClusterState
 from fsdpctl.targets.aws import preflight, sweep
-from fsdpctl.targets.aws.clients import AwsClients
+from fsdpctl.targets.aws.clients import AwsClients, error_text
 from fsdpctl.targets.aws.keys import ssh_key
+from infra.offline import Registration
 from infra.spec import ClusterSpec
 
 UPDATES_IN_PLACE = True
@@ -119,36 +128,76 @@ def _iso(when: dt.datetime) -> str:
     return when.astimezone(dt.UTC).replace(microsecond=0, tzinfo=None).isoformat() + "Z"
 
 
-def configure_stack(stack, spec: ClusterSpec, *, now: dt.datetime | None = None,
-                    out: Out | None = None) -> str | None:
-    """Set the stack config; returns the expiry time (None when expiry is off). The expiry is
-    pinned at first creation and kept by later `up`s (re-running `up` must not push the
-    dead-man's switch out each time); once it has passed (the schedules stopped the billed
-    resources), the next `up` brings the cluster back with a new expiry of now + expiry_hours."""
+@dataclass(frozen=True)
+class StackConfig:
+    """The stack config `up` applies: the region, the spec (as the JSON object the program's
+    Config.require_object parses) and the pinned expiry (None: expiry off)."""
+
+    region: str
+    cluster: str
+    expires_at: str | None
+
+    def values(self) -> dict[str, str]:
+        from infra.program import EXPIRES_AT_KEY
+        from infra.spec import PULUMI_CONFIG_KEY
+
+        values = {"aws:region": self.region, PULUMI_CONFIG_KEY: self.cluster}
+        if self.expires_at:
+            values[EXPIRES_AT_KEY] = self.expires_at
+        return values
+
+
+def stack_config(stack, spec: ClusterSpec, *, now: dt.datetime | None = None,
+                 out: Out | None = None) -> StackConfig:
+    """The config `up` would give the stack (None: a stack not created yet), read but not written:
+    `up` writes it only once the user said yes. The expiry is pinned at first creation and kept by
+    later `up`s (re-running `up` must not push the dead-man's switch out each time); once it has
+    passed (the schedules stopped the billed resources), the next `up` brings the cluster back with
+    a new expiry of now + expiry_hours."""
     from pulumi import automation as auto
 
     from infra.program import EXPIRES_AT_KEY, expiry_time
-    from infra.spec import PULUMI_CONFIG_KEY
 
     now = now or dt.datetime.now(dt.UTC)
-    stack.set_config("aws:region", auto.ConfigValue(spec.region))
-    # A JSON string: the program's Config.require_object parses it into the same object.
-    stack.set_config(PULUMI_CONFIG_KEY, auto.ConfigValue(json.dumps(spec.model_dump(mode="json"))))
+    cluster = json.dumps(spec.model_dump(mode="json"))
+    if spec.expiry_hours is None:
+        return StackConfig(spec.region, cluster, expires_at=None)
     try:
-        pinned = stack.get_config(EXPIRES_AT_KEY).value
+        pinned = stack.get_config(EXPIRES_AT_KEY).value if stack is not None else None
     except auto.errors.CommandError:
         pinned = None
-    if spec.expiry_hours is None:
-        return None
     if pinned and _utc(pinned) <= now:
         if out:
             out(f"cluster {spec.name} expired at {pinned} (its nodes, bastion, NAT gateway and file "
                 f"system were stopped); this `up` recreates them with a new expiry")
         pinned = None
-    if not pinned:
-        pinned = expiry_time(spec, now)
-        stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(pinned))
-    return pinned
+    return StackConfig(spec.region, cluster, expires_at=pinned or expiry_time(spec, now))
+
+
+def write_stack_config(stack, config: StackConfig) -> None:
+    from pulumi import automation as auto
+
+    for key, value in config.values().items():
+        stack.set_config(key, auto.ConfigValue(value))
+
+
+@contextmanager
+def proposed_settings(stack, config: StackConfig) -> Iterator[str]:
+    """A copy of the stack's settings file (its secrets provider and salt included) with `config`
+    in it, for `pulumi preview --config-file`: the diff `up` shows is that of the new spec, while
+    the stack's own config stays as it is until the yes."""
+    from pulumi.automation import StackSettings
+
+    try:
+        settings = stack.workspace.stack_settings(stack.name)
+    except FileNotFoundError:  # a stack created elsewhere, whose settings file is not here
+        settings = StackSettings()
+    settings.config = {**(settings.config or {}), **config.values()}
+    with tempfile.TemporaryDirectory(prefix="fsdpctl-preview-") as folder:
+        path = Path(folder) / f"Pulumi.{stack.name}.yaml"
+        # The Automation API's own serialization of a stack settings file.
+        path.write_text(yaml.safe_dump(settings._serialize()))
+        yield str(path)
 
 
 def extended_expiry(current: str | None, hours: int, now: dt.datetime) -> str:
@@ -192,6 +241,7 @@ def state_from_outputs(spec: ClusterSpec, outputs: Mapping[str, Any], *, key_fil
                 "proxy_jump": f"{user}@{bastion}" if bastion else None},
         "shared_dir": fsx.mount_point if fsx.enabled else None,
         "stack_outputs": dict(outputs),
+        "expiry_queue_url": outputs.get("expiry_queue_url"),
         # The program's own view (a pinned config value, or its clock resource).
         **({"expires_at": outputs["expires_at"]} if outputs.get("expires_at") else {}),
     }
@@ -202,12 +252,46 @@ def _record_outputs(state: ClusterState, spec: ClusterSpec, up_result, key_file:
     state.update(**state_from_outputs(spec, outputs, key_file=key_file, known_hosts=state.known_hosts))
 
 
-def _up_failed(spec: ClusterSpec, error: Exception) -> CommandError:
+def _up_failed(spec: ClusterSpec, error: Exception, billing: str = "") -> CommandError:
     return CommandError(
-        f"pulumi up failed for cluster {spec.name}:\n{_tail(error)}\n"
+        f"pulumi up failed for cluster {spec.name}:\n{_tail(error)}\n{billing}"
         f"What exists stays recorded in the stack. Fix the cause, then resume with `fsdpctl up SPEC.yaml` "
-        f"(idempotent: Pulumi continues from what exists), or clean up with "
+        f"(idempotent: Pulumi continues from what exists), or remove all of it with "
         f"`fsdpctl down --cluster {spec.name}`.")
+
+
+def _stack_resources(stack) -> list[Registration]:
+    """The custom resources the stack's state holds (what exists in AWS as far as Pulumi knows),
+    as the offline plan's Registration records."""
+    deployment = stack.export_stack().deployment or {}
+    return [Registration(type=r["type"], name=r["urn"].rsplit("::", 1)[-1], inputs=r.get("inputs") or {},
+                         custom=True, id=r.get("id"), urn=r["urn"])
+            for r in deployment.get("resources") or [] if r.get("custom") and not r.get("delete")]
+
+
+def billing_after_failure(stack, spec: ClusterSpec, expires_at: str | None) -> str:
+    """What a failed `up` left billing (read from the stack's state) and whether an expiry schedule
+    stops it, as lines for the error (which ends with `fsdpctl down`)."""
+    from pulumi import automation as auto
+
+    from fsdpctl.plan.cost import HOURLY_TYPES, split_by_expiry
+
+    try:
+        billed = split_by_expiry(_stack_resources(stack), HOURLY_TYPES)
+    except auto.errors.CommandError as e:
+        return (f"Could not read the stack to say what bills ({_tail(e, 2)}); whatever was created bills "
+                "until its expiry schedule stops it or `fsdpctl down` removes it.\n")
+    if not billed.stopped and not billed.still_billed:
+        return "Nothing that bills by the hour was created.\n"
+    lines = ["Billing now (created before the failure):"]
+    if billed.stopped:
+        stopped = ", ".join(billed.stopped)
+        lines.append(f"  until the expiry at {expires_at} (their schedules exist): {stopped}")
+    if billed.still_billed:
+        why = "yet" if spec.expiry_hours is not None else "at all: expiry_hours is null"
+        lines.append(f"  until `fsdpctl down` (no expiry schedule for them {why}): "
+                     + ", ".join(billed.still_billed))
+    return "\n".join([*lines, ""])
 
 
 # ---- refresh -------------------------------------------------------------------------------------
@@ -271,15 +355,15 @@ def refresh(stack, spec: ClusterSpec, out: Out, *, what: str) -> list[str]:
 
 
 # ---- up ------------------------------------------------------------------------------------------
-def _offline_cost(spec: ClusterSpec, expires_at: str | None, out: Out) -> float:
-    """Print what a new stack will hold and cost (the offline plan); returns the known $/hour."""
+def _offline_cost(spec: ClusterSpec, expires_at: str | None, out: Out):
+    """Print what a new stack will hold and cost (the offline plan); returns the CostEstimate."""
     from fsdpctl.plan import estimate_cost, load_prices, render_summary
     from infra.offline import run_offline
 
     plan = run_offline(spec, expires_at)
     cost = estimate_cost(plan, load_prices())
     out(render_summary(plan, cost))
-    return cost.per_hour
+    return cost
 
 
 def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Callable[[str], None],
@@ -298,45 +382,82 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
 
     from pulumi import automation as auto
 
-    stack = open_stack(deployed_spec, command, create=True)
-    expires_at = configure_stack(stack, deployed_spec, out=out)
-    per_hour = _offline_cost(deployed_spec, expires_at, out)
-    expiry = f"; its billed resources expire at {expires_at}" if expires_at else ""
-    if stack.info() is None:
-        question = f"Create cluster {spec.name} on AWS (about {per_hour:,.2f} USD per hour{expiry})?"
+    # Nothing is written before the yes: the stack is only read (and refreshed) until then, and the
+    # preview reads the new config from a copy of the stack settings.
+    stack = open_stack(deployed_spec, command, create=False)
+    config = stack_config(stack, deployed_spec, out=out)
+    cost = _offline_cost(deployed_spec, config.expires_at, out)
+    expiry = f"; its billed resources expire at {config.expires_at}" if config.expires_at else ""
+    if stack is None or stack.info() is None:
+        question = f"Create cluster {spec.name} on AWS ({cost.headline()}{expiry})?"
     else:
         refresh(stack, spec, out, what="up")
         out(f"pulumi preview: what `up` changes in the existing stack {spec.name}")
         try:
-            stack.preview(diff=True, on_output=_progress(out), color="never")
+            with proposed_settings(stack, config) as settings:
+                stack.preview(diff=True, on_output=_progress(out), color="never", config_file=settings)
         except auto.errors.ConcurrentUpdateError as e:
             raise _locked(spec, e, "up") from None
         except auto.errors.CommandError as e:
             raise _up_failed(spec, e) from None
-        question = f"Apply these changes to cluster {spec.name} (about {per_hour:,.2f} USD per hour{expiry})?"
+        question = f"Apply these changes to cluster {spec.name} ({cost.headline()}{expiry})?"
     approve(question)
+    stack = stack or open_stack(deployed_spec, command, create=True)
+    write_stack_config(stack, config)
     # From here on `down` must run `pulumi destroy` (before, there is nothing to destroy).
-    state.update(pulumi_stack=spec.name, expires_at=expires_at, cost_per_hour=per_hour)
-    out(f"pulumi up: stack {spec.name}" + (f", expiry at {expires_at}" if expires_at else ""))
+    state.update(pulumi_stack=spec.name, expires_at=config.expires_at, cost_per_hour=cost.per_hour,
+                 cost_per_hour_max=cost.max_per_hour)
+    out(f"pulumi up: stack {spec.name}" + (f", expiry at {config.expires_at}" if config.expires_at else ""))
     try:
         result = stack.up(on_output=_progress(out), color="never")
     except auto.errors.ConcurrentUpdateError as e:
         raise _locked(spec, e, "up") from None
     except auto.errors.CommandError as e:
-        raise _up_failed(spec, e) from None
+        raise _up_failed(spec, e, billing_after_failure(stack, spec, config.expires_at)) from None
     _record_outputs(state, deployed_spec, result, key_file)
     out(f"pulumi up: {dict(result.summary.resource_changes or {})}")
 
 
 # ---- extend --------------------------------------------------------------------------------------
-def extend(state: ClusterState, spec: ClusterSpec, *, hours: int, approve: Callable[[str], None],
-           out: Out, now: dt.datetime | None = None) -> str:
-    """Move the expiry N hours later: the stack config's expiresAt, then `pulumi up` (which moves
-    the schedules and the expires-at tags; nothing is replaced). Refuses an expired cluster: its
-    billed resources are gone, and `fsdpctl up` recreates them with a new expiry. Returns the new
-    time."""
+def deployed_spec_of(stack, spec: ClusterSpec) -> ClusterSpec:
+    """The spec in the stack config (what `pulumi up` runs the program with: the one last
+    approved, with the generated public key); `spec` when the config has none."""
     from pulumi import automation as auto
 
+    from infra.spec import PULUMI_CONFIG_KEY, parse_spec
+
+    try:
+        cluster = stack.get_config(PULUMI_CONFIG_KEY).value
+    except auto.errors.CommandError:
+        return spec
+    return parse_spec(json.loads(cluster), source=f"stack config {PULUMI_CONFIG_KEY}")
+
+
+def expiry_targets(spec: ClusterSpec, current: str | None, new: str) -> list[str]:
+    """The URNs of what moving the expiry from `current` to `new` changes (the schedules, whatever
+    carries the expires-at tag, the program's clock when no time was pinned): the program run
+    offline for both times, compared resource by resource. `extend` updates these and nothing else."""
+    from infra.offline import run_offline
+
+    def inputs_by_urn(expires_at: str | None) -> dict[str, dict[str, Any]]:
+        # As the engine writes URNs (resource.NewURN): without the root stack's type in front of
+        # its direct children's, which Pulumi's mock monitor puts there.
+        return {r.urn.replace("::pulumi:pulumi:Stack$", "::", 1): r.inputs
+                for r in run_offline(spec, expires_at).mocks.resources}
+
+    before, after = inputs_by_urn(current), inputs_by_urn(new)
+    return sorted(urn for urn in before.keys() | after.keys() if before.get(urn) != after.get(urn))
+
+
+def extend(state: ClusterState, spec: ClusterSpec, *, hours: int, approve: Callable[[str], None],
+           out: Out, now: dt.datetime | None = None) -> str:
+    """Move the expiry N hours later: the stack config's expiresAt, then a `pulumi up` targeted at
+    what carries the expiry (the schedules and the expires-at tags; nothing is replaced, and
+    nothing else in the stack config is applied). Refuses an expired cluster: its billed resources
+    are gone, and `fsdpctl up` recreates them with a new expiry. Returns the new time."""
+    from pulumi import automation as auto
+
+    from fsdpctl.plan.cost import amount_text
     from infra.program import EXPIRES_AT_KEY
 
     if spec.expiry_hours is None:
@@ -359,12 +480,13 @@ def extend(state: ClusterState, spec: ClusterSpec, *, hours: int, approve: Calla
         current = record.expires_at
     new = extended_expiry(current, hours, now)
     approve(f"Move the expiry of cluster {spec.name} from {current or 'none'} to {new} "
-            f"(about {(record.cost_per_hour or 0) * hours:,.2f} USD more)?")
+            f"({amount_text(record.cost_per_hour, record.cost_per_hour_max, hours)} more)?")
     refresh(stack, spec, out, what=f"extend --hours {hours}")
+    targets = expiry_targets(deployed_spec_of(stack, spec), current, new)
     stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(new))
-    out(f"pulumi up: stack {spec.name}, expiry {current} -> {new}")
+    out(f"pulumi up: stack {spec.name}, expiry {current} -> {new} ({len(targets)} resources)")
     try:
-        result = stack.up(on_output=_progress(out), color="never")
+        result = stack.up(target=targets, on_output=_progress(out), color="never")
     except auto.errors.ConcurrentUpdateError as e:
         if current:  # nothing moved: keep the config saying so
             stack.set_config(EXPIRES_AT_KEY, auto.ConfigValue(current))
@@ -440,14 +562,63 @@ def down(state: ClusterState, spec: ClusterSpec, *, force: bool = False, out: Ou
 
 
 # ---- health and replace --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeadLetter:
+    """One expiry call that failed after its retries, as EventBridge Scheduler puts it in the
+    schedule's dead-letter queue: the failure in message attributes, the call's input as the body."""
+
+    schedule: str
+    error_code: str
+    error_message: str
+
+    @classmethod
+    def from_message(cls, message: Mapping[str, Any]) -> DeadLetter:
+        attributes = message.get("MessageAttributes") or {}
+
+        def attribute(name: str) -> str:
+            return (attributes.get(name) or {}).get("StringValue", "")
+
+        # The schedule's name, or else the call's input (the body) says which call failed.
+        schedule_arn = attribute("SCHEDULE_ARN")
+        schedule = schedule_arn.rsplit("/", 1)[-1] if schedule_arn else message.get("Body", "")[:200]
+        return cls(schedule=schedule, error_code=attribute("ERROR_CODE") or "unknown error",
+                   error_message=attribute("ERROR_MESSAGE"))
+
+
+def expiry_failures(aws: AwsClients, cluster: str, queue_url: str | None) -> list[str]:
+    """The expiry calls that failed (the dead-letter queue's messages), as one line; [] when none.
+    Reading leaves the messages in the queue, so every `status` reports them until someone acts."""
+    if not queue_url:
+        return []
+    try:
+        count = int(aws.sqs.get_queue_attributes(
+            QueueUrl=queue_url, AttributeNames=["ApproximateNumberOfMessages"])["Attributes"][
+            "ApproximateNumberOfMessages"])
+        # VisibilityTimeout 0: the message stays visible, for the next `status` and the console.
+        messages = aws.sqs.receive_message(QueueUrl=queue_url, MaxNumberOfMessages=1, VisibilityTimeout=0,
+                                           MessageAttributeNames=["All"]).get("Messages", []) if count else []
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+        return [f"expiry: could not read the dead-letter queue {queue_url} ({error_text(e)}), so failed "
+                "expiry calls would go unseen; allow sqs:GetQueueAttributes and sqs:ReceiveMessage on it"]
+    if not messages:
+        return []
+    first = DeadLetter.from_message(messages[0])
+    calls = "1 call" if count == 1 else f"{count} calls"
+    return [f"expiry: {calls} failed (dead-letter queue {queue_url}): {first.schedule}: {first.error_code}: "
+            f"{first.error_message}. What it was to stop may still bill: check it in the EC2/FSx console, "
+            f"or run `fsdpctl down --cluster {cluster}`"]
+
+
 def health(state: ClusterState) -> list[str]:
-    """Nodes whose instance is not running, or that do not answer over SSH."""
+    """Expiry calls that failed, nodes whose instance is not running, or that do not answer over
+    SSH."""
     from fsdpctl.remote import run_all
 
     record = state.read()
     if not record.nodes or record.ssh is None:
         return ["the cluster never finished coming up"]
     aws = AwsClients.for_spec(state.spec())
+    expiry = expiry_failures(aws, state.name, record.expiry_queue_url)
     nodes = record.active_nodes()
     ids = [n.instance_id for n in nodes if n.instance_id]
     states = {}
@@ -457,11 +628,11 @@ def health(state: ClusterState) -> list[str]:
     problems = [f"{n.name}: instance {n.instance_id} is {states.get(n.instance_id, 'gone')}"
                 for n in nodes if states.get(n.instance_id) != "running"]
     if problems:
-        return problems
+        return expiry + problems
     names = {n.rank: n.name for n in record.nodes}
     results = run_all(state, "true", timeout=30, check=False)
-    return [f"{names[rank]}: ssh failed: {r.stderr.strip()[-200:]}" for rank, r in results.items()
-            if r.returncode]
+    return expiry + [f"{names[rank]}: ssh failed: {r.stderr.strip()[-200:]}" for rank, r in results.items()
+                     if r.returncode]
 
 
 def node_destruction(state: ClusterState, rank: int) -> str:
@@ -476,8 +647,8 @@ def _forget_host(known_hosts: Path, address: str) -> None:
 
 
 def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out) -> None:
-    """Terminate the node of `rank` and let Pulumi create a new one with the same rank; the new
-    instance id and address are recorded."""
+    """Terminate the node of `rank` and let Pulumi create a new one with the same rank (a `pulumi up`
+    targeted at that node and what names it); the new instance id and address are recorded."""
     from pulumi import automation as auto
 
     from infra.program import RETEMPLATE_KEY, node_urn
@@ -506,8 +677,12 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     # The nodes ignore template changes (infra/components/compute.py); this one run lets the
     # replaced rank take the current template version, every other node keeps its own.
     stack.set_config(RETEMPLATE_KEY, auto.ConfigValue(json.dumps([rank])))
+    urn = node_urn(spec.name, spec, rank)
     try:
-        result = stack.up(replace=[node_urn(spec.name, spec, rank)], on_output=_progress(out), color="never")
+        # Only this node, and what takes its id (its expiry schedule): nothing else the stack
+        # config may hold is applied by a replace.
+        result = stack.up(target=[urn], target_dependents=True, replace=[urn], on_output=_progress(out),
+                          color="never")
     except auto.errors.ConcurrentUpdateError as e:
         raise _locked(spec, e, f"replace {rank}") from None
     except auto.errors.CommandError as e:

@@ -4,12 +4,12 @@
 at, a non-empty bucket, an interrupted run) and what it leaves keeps billing. The sweep lists every
 resource tagged `fsdp-cluster:cluster=<name>` through the EC2, FSx and Scheduler describe APIs and
 the Resource Groups Tagging API, reports it, and with `force` deletes it in dependency order:
-instances (then their capacity reservation) and file systems first (and waited for, since they hold
-ENIs and security groups), then NAT gateways and their addresses, VPC endpoints (waited for: they
-hold routes and ENIs), ENIs, volumes, templates, placement groups, key pairs, the node
-and expiry IAM roles and instance profile (global, so matched by the cluster's name prefix and then
-its tag), security groups (cross-references revoked first), gateways, route tables, subnets and
-finally the VPC.
+the expiry's schedule group and dead-letter queue, instances (then their capacity reservation) and
+file systems first (and waited for, since they hold ENIs and security groups), then NAT gateways
+and their addresses, VPC endpoints (waited for: they hold routes and ENIs), ENIs, volumes,
+templates, placement groups, key pairs, the node and expiry IAM roles and instance profile (global,
+so matched by the cluster's name prefix and then its tag), security groups (cross-references
+revoked first), gateways, route tables, subnets and finally the VPC.
 Only tagged resources are touched; one failed deletion is reported with its id and reason and never
 stops the rest. Running it twice is safe: the second run finds nothing.
 """
@@ -124,6 +124,29 @@ def _find_schedule_group(aws: AwsClients, cluster: str) -> list[Leftover]:
 def _delete_schedule_groups(aws: AwsClients, items: list[Leftover], out: Out):
     # Deleting the group deletes its schedules.
     return _each(items, lambda g: aws.scheduler.delete_schedule_group(Name=g.id), out)
+
+
+# ---- the expiry's dead-letter queue --------------------------------------------------------------
+def _find_queues(aws: AwsClients, cluster: str) -> list[Leftover]:
+    """Tagged SQS queues (the expiry schedules' dead-letter queue) that still exist: the Tagging API
+    may list a deleted queue for a while."""
+    mappings = _paginate(aws.tagging, "get_resources", "ResourceTagMappingList",
+                         TagFilters=[{"Key": CLUSTER_TAG, "Values": [cluster]}], ResourceTypeFilters=["sqs"])
+    found = []
+    for m in mappings:
+        _, account, name = m["ResourceARN"].rsplit(":", 2)
+        try:
+            url = aws.sqs.get_queue_url(QueueName=name, QueueOwnerAWSAccountId=account)["QueueUrl"]
+        except botocore.exceptions.ClientError as e:
+            if error_code(e) in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+                continue
+            raise
+        found.append(Leftover("sqs-queue", url, "expiry failures"))
+    return found
+
+
+def _delete_queues(aws: AwsClients, items: list[Leftover], out: Out):
+    return _each(items, lambda q: aws.sqs.delete_queue(QueueUrl=q.id), out)
 
 
 # ---- instances -----------------------------------------------------------------------------------
@@ -467,7 +490,10 @@ _COVERED_ARN_TYPES = {
                          "launch-template", "placement-group", "capacity-reservation", "key-pair",
                          "natgateway", "elastic-ip", "vpc-endpoint",
                          "internet-gateway", "route-table", "subnet", "vpc")
-} | {("fsx", "file-system"), ("fsx", "association"), ("scheduler", "schedule-group"), ("s3", "bucket")}
+} | {("fsx", "file-system"), ("fsx", "association"), ("scheduler", "schedule-group"), ("s3", "bucket"),
+     ("sqs", "queue")}
+# Services whose ARNs name the resource without its type (arn:aws:s3:::NAME, arn:aws:sqs:...:NAME).
+_UNTYPED_ARN_KINDS = {"s3": "bucket", "sqs": "queue"}
 
 
 def _arn_resource(arn: str) -> tuple[str, str, str]:
@@ -475,7 +501,7 @@ def _arn_resource(arn: str) -> tuple[str, str, str]:
     parts = arn.split(":", 5)
     service, resource = parts[2], parts[5]
     kind, _, rest = resource.partition("/")
-    return (service, kind, rest) if rest else (service, "bucket" if service == "s3" else kind, resource)
+    return (service, kind, rest) if rest else (service, _UNTYPED_ARN_KINDS.get(service, kind), resource)
 
 
 def _find_tagged_others(aws: AwsClients, cluster: str) -> list[Leftover]:
@@ -493,6 +519,7 @@ def _find_tagged_others(aws: AwsClients, cluster: str) -> list[Leftover]:
 # Deletion order: each kind's resources depend only on kinds after it.
 KINDS: list[Kind] = [
     Kind("schedule-group", _find_schedule_group, _delete_schedule_groups),
+    Kind("sqs-queue", _find_queues, _delete_queues),
     Kind("instance", _find_instances, terminate_and_wait),
     Kind("capacity-reservation", _find_capacity_reservations, _cancel_capacity_reservations),
     Kind("fsx-file-system", _find_file_systems, _delete_file_systems),
@@ -516,6 +543,64 @@ KINDS: list[Kind] = [
          keep_reason="of a kind the sweep does not delete: delete it in the AWS console or with the "
                      "aws CLI, then run `fsdpctl down` again"),
 ]
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How the sweep removes one resource type of the Pulumi program when `pulumi destroy` leaves
+    it behind."""
+
+    kind: str | None
+    """The sweep kind (in KINDS) that deletes it; None: it exists only in the stack state."""
+    note: str = ""
+    """How it goes with `kind` when that kind's own resource is another one (e.g. a role's
+    policies, a bucket's settings), or why there is nothing to sweep."""
+
+    @property
+    def own(self) -> bool:
+        """The kind finds and deletes this type itself."""
+        return self.kind is not None and not self.note
+
+
+# Every resource type the program registers (infra/program.py), tied to the sweep by a test
+# (tests/aws/test_sweep_coverage.py): a new type ships with its sweep step or a reason here.
+PROGRAM_TYPES: dict[str, Coverage] = {
+    "pulumi:providers:aws": Coverage(None, "the provider's settings, not a resource in AWS"),
+    "time:index/rotating:Rotating": Coverage(None, "the expiry clock, a time kept in the stack state"),
+    "aws:ec2/vpc:Vpc": Coverage("vpc"),
+    "aws:ec2/subnet:Subnet": Coverage("subnet"),
+    "aws:ec2/internetGateway:InternetGateway": Coverage("internet-gateway"),
+    "aws:ec2/eip:Eip": Coverage("elastic-ip"),
+    "aws:ec2/natGateway:NatGateway": Coverage("nat-gateway"),
+    "aws:ec2/routeTable:RouteTable": Coverage("route-table"),
+    "aws:ec2/routeTableAssociation:RouteTableAssociation": Coverage(
+        "route-table", "disassociated before its route table is deleted"),
+    "aws:ec2/vpcEndpoint:VpcEndpoint": Coverage("vpc-endpoint"),
+    "aws:ec2/securityGroup:SecurityGroup": Coverage("security-group"),
+    "aws:ec2/placementGroup:PlacementGroup": Coverage("placement-group"),
+    "aws:ec2/capacityReservation:CapacityReservation": Coverage("capacity-reservation"),
+    "aws:ec2/launchTemplate:LaunchTemplate": Coverage("launch-template"),
+    "aws:ec2/instance:Instance": Coverage("instance"),
+    "aws:ec2/keyPair:KeyPair": Coverage("key-pair"),
+    "aws:iam/role:Role": Coverage("iam-role"),
+    "aws:iam/rolePolicy:RolePolicy": Coverage("iam-role", "deleted with its role"),
+    "aws:iam/rolePolicyAttachment:RolePolicyAttachment": Coverage("iam-role", "detached from its role"),
+    "aws:iam/instanceProfile:InstanceProfile": Coverage("instance-profile"),
+    "aws:fsx/lustreFileSystem:LustreFileSystem": Coverage("fsx-file-system"),
+    "aws:fsx/dataRepositoryAssociation:DataRepositoryAssociation": Coverage(
+        "fsx-file-system", "deleted with its file system"),
+    "aws:s3/bucket:Bucket": Coverage("s3-bucket"),
+    "aws:s3/bucketPublicAccessBlock:BucketPublicAccessBlock": Coverage(
+        "s3-bucket", "deleted with its bucket"),
+    "aws:s3/bucketVersioning:BucketVersioning": Coverage("s3-bucket", "deleted with its bucket"),
+    "aws:s3/bucketServerSideEncryptionConfiguration:BucketServerSideEncryptionConfiguration": Coverage(
+        "s3-bucket", "deleted with its bucket"),
+    "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration": Coverage(
+        "s3-bucket", "deleted with its bucket"),
+    "aws:scheduler/scheduleGroup:ScheduleGroup": Coverage("schedule-group"),
+    "aws:scheduler/schedule:Schedule": Coverage("schedule-group", "deleted with its schedule group"),
+    "aws:sqs/queue:Queue": Coverage("sqs-queue"),
+}
 
 
 def find_leftovers(aws: AwsClients, cluster: str, out: Out = print,
