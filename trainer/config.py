@@ -293,6 +293,12 @@ class ParallelConfig(_Section):
     """torch.compile each transformer block."""
     lora: LoraConfig = LoraConfig()
     """Low-rank adapters for fine-tuning (rank 0: off)."""
+    expert_parallel: int = Field(default=1, ge=1)
+    """Expert parallelism for mixture-of-experts models: groups of this many consecutive ranks split
+    each block's experts (n_experts / expert_parallel each), tokens travel to their experts' rank and
+    back by all-to-all, and FSDP shards each rank's experts over the ranks holding the same ones; so
+    no rank all-gathers more than n_experts / expert_parallel experts. 1: off. Divides the world size
+    and model.n_experts; stacked experts (gpt-oss) with FULL_SHARD or SHARD_GRAD_OP."""
 
     @model_validator(mode="after")
     def _precision(self) -> ParallelConfig:
@@ -468,12 +474,36 @@ class TrainConfig(_Section):
             problems.append(Problem("parallel.lora.rank", self.parallel.lora.rank,
                                     "asks for LoRA on a mixture-of-experts model (not implemented yet)",
                                     "fine-tune it fully (parallel.lora.rank=0)"))
+        problems.extend(self._expert_parallel_problems())
         if self.parallel.param_dtype == "fp16" and self.parallel.reduce_dtype == "bf16":
             problems.append(Problem("parallel.reduce_dtype", "bf16", "mixes with fp16 parameters",
                                     "use reduce_dtype fp32 with fp16 parameters"))
         if problems:
             raise ConfigError(problems)
         return self
+
+
+    def _expert_parallel_problems(self) -> list[Problem]:
+        ep, m, par = self.parallel.expert_parallel, self.model, self.parallel
+        if ep == 1:
+            return []
+        key = "parallel.expert_parallel"
+        if not m.n_experts:
+            return [Problem(key, ep, "splits experts, and the model has none", "set it to 1")]
+        problems = []
+        if m.n_experts % ep:
+            problems.append(Problem(key, ep, f"does not divide model.n_experts={m.n_experts}",
+                                    "use a divisor of the expert count"))
+        if m.expert_kind != "gpt_oss":
+            problems.append(Problem(key, ep, f"needs stacked experts (model.expert_kind={m.expert_kind}: "
+                                    "one module per expert, not split yet)", "set it to 1"))
+        if par.strategy not in (Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP):
+            problems.append(Problem(key, ep, f"is not implemented with {par.strategy}",
+                                    "use parallel.strategy FULL_SHARD or SHARD_GRAD_OP"))
+        if par.cpu_offload:
+            problems.append(Problem(key, ep, "is not implemented with parallel.cpu_offload",
+                                    "set parallel.cpu_offload=false or expert_parallel=1"))
+        return problems
 
 
 @dataclass(frozen=True)
@@ -511,6 +541,10 @@ def derive_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> L
                                     f"only applies to HYBRID_SHARD ({par.strategy} shards over all "
                                     f"{world_size} ranks)", "remove it, or use strategy HYBRID_SHARD"))
         replicate, shard = 1, world_size
+    if world_size % par.expert_parallel:
+        problems.append(Problem("parallel.expert_parallel", par.expert_parallel,
+                                f"does not divide the world size {world_size}",
+                                f"use a divisor of {world_size} (and of model.n_experts)"))
     tr = cfg.training
     per_micro_step = tr.global_batch_size // tr.gradient_accumulation
     micro = tr.micro_batch_size

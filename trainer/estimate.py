@@ -106,6 +106,8 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     # input and of the experts' outputs and the router's fp32 logits and probabilities.
     k, fm = m.n_active_experts, m.expert_ffn_dim
     moe_feed_forward = rmsnorm + e * 4 * k * fm + 2 * e * k * h + 2 * 4 * m.n_experts
+    if cfg.parallel.expert_parallel > 1:  # the all-to-alls' received rows and returned outputs
+        moe_feed_forward += 2 * e * k * h
     per_moe_block = tokens * (attention + moe_feed_forward + scores)
     sparse = sum(m.is_moe_layer(i) for i in range(m.n_layers))
     blocks = (m.n_layers - sparse) * per_block + sparse * per_moe_block
@@ -139,8 +141,16 @@ def _memory(cfg: TrainConfig, world_size: int, ranks_per_node: int, flash_attent
     full = sum(p.numel() for p in trainable)
     every = sum(p.numel() for p in model.parameters())
 
+    ep = cfg.parallel.expert_parallel
+
     def unit_elements(module: torch.nn.Module, only_trainable: bool = False) -> int:
-        return sum(p.numel() for p in module.parameters() if p.requires_grad or not only_trainable)
+        """Elements one FSDP unit gathers: with expert parallelism a block's experts are 1 / ep of them
+        (each rank gathers only its expert group's share)."""
+        total = 0
+        for name, p in module.named_parameters():
+            if p.requires_grad or not only_trainable:
+                total += p.numel() // ep if ".experts." in f".{name}" else p.numel()
+        return total
 
     units = [unit_elements(block) for block in model.layers]
     embedding = model.tok_embeddings.weight.numel()

@@ -13,8 +13,14 @@ Dispatch: the (token, slot) assignments are sorted by expert, so each expert's t
 contiguous run; the experts run on their runs (a loop, or for stacked experts on CUDA in bf16 two
 `torch._grouped_mm` calls), and the outputs are added back to their tokens weighted by the router.
 Every expert runs, even on zero tokens, so every expert's weights get a (zero) gradient on every rank
-and FSDP's reduce-scatter sees the same parameters everywhere. Expert parallelism (an all-to-all
-before and after the experts) is not built yet: FSDP all-gathers every expert.
+and FSDP's reduce-scatter sees the same parameters everywhere.
+
+Expert parallelism (parallel.expert_parallel = P, stacked experts): each group of P consecutive ranks
+splits a block's experts, rank i of the group holding experts [i E/P, (i+1) E/P) (trainer/parallelize.py
+makes them DTensors sharded over the group, then FSDP shards them further over the ranks holding the
+same experts, so no rank ever gathers more than E/P of them). A forward sends each routed token to
+the rank of its expert and the results back, two all-to-alls in the group (their gradients are
+all-to-alls too); the run lengths travel first, in one small all-to-all.
 
 Load balancing: each forward records, per MoE block, how many assignments each expert got and the
 sum of the router probabilities; `router_aux_loss` combines them over the blocks exactly as
@@ -26,8 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor
 
 from trainer.config import ModelConfig
 
@@ -60,6 +69,19 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; the gradient multiplied by `scale` backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class StackedExperts(nn.Module):
     """gpt-oss's experts, stacked as its checkpoints store them: gate_up_proj [experts, dim, 2 x ffn]
     (x @ W, gate and up columns interleaved), down_proj [experts, ffn, dim], each with a bias. The
@@ -68,6 +90,10 @@ class StackedExperts(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, n_experts: int, alpha: float, limit: float):
         super().__init__()
         self.alpha, self.limit = alpha, limit
+        # Expert parallelism (trainer/parallelize.py): FSDP averages these gradients over the world / P
+        # ranks that hold the same experts; every other gradient is averaged over the world, so these
+        # are scaled by 1 / P on their way (FSDP's own divide factor needs PREMUL_SUM, which gloo lacks).
+        self.gradient_scale = 1.0
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * ffn_dim))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
@@ -78,13 +104,24 @@ class StackedExperts(nn.Module):
             return self.grouped(routed, counts)
         return self.looped(routed, counts)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """gate_up_proj, its bias, down_proj, its bias as this rank computes with them: its own experts
+        (with expert parallelism FSDP hands the block DTensors of them), gradients scaled."""
+        local = []
+        for param in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias):
+            tensor = param.to_local() if isinstance(param, DTensor) else param
+            if self.gradient_scale != 1.0:
+                tensor = _ScaleGradient.apply(tensor, self.gradient_scale)
+            local.append(tensor)
+        return local[0], local[1], local[2], local[3]
+
     def looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One matmul pair per expert (any device and dtype; the backward torch has on CPU)."""
+        gate_up_proj, gate_up_bias, down_proj, down_bias = self.weights()
         outputs = []
         for e, chunk in enumerate(routed.split(counts.tolist())):
-            gate_up = chunk @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-            outputs.append(hidden @ self.down_proj[e] + self.down_proj_bias[e])
+            hidden = clamped_swiglu(chunk @ gate_up_proj[e] + gate_up_bias[e], self.alpha, self.limit)
+            outputs.append(hidden @ down_proj[e] + down_bias[e])
         return torch.cat(outputs)
 
     def grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -93,10 +130,10 @@ class StackedExperts(nn.Module):
         ends = torch.cumsum(counts, 0).to(torch.int32)
         expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=routed.device), counts,
                                                 output_size=routed.shape[0])
-        gate_up = torch._grouped_mm(routed, self.gate_up_proj, offs=ends)
-        gate_up = gate_up + self.gate_up_proj_bias[expert_of_row]
+        gate_up_proj, gate_up_bias, down_proj, down_bias = self.weights()
+        gate_up = torch._grouped_mm(routed, gate_up_proj, offs=ends) + gate_up_bias[expert_of_row]
         hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return torch._grouped_mm(hidden, self.down_proj, offs=ends) + self.down_proj_bias[expert_of_row]
+        return torch._grouped_mm(hidden, down_proj, offs=ends) + down_bias[expert_of_row]
 
 
 @dataclass
@@ -122,6 +159,34 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool
     return probs, weights.to(logits.dtype), indices
 
 
+@dataclass
+class ExpertParallel:
+    """The ranks that split a block's experts (set by trainer/parallelize.py)."""
+
+    group: dist.ProcessGroup
+    """The expert-parallel group: `size` consecutive ranks."""
+    size: int
+    """Ranks in the group; each holds n_experts / size experts."""
+
+
+def exchange_with_experts(routed: torch.Tensor, counts: torch.Tensor, experts: StackedExperts,
+                          parallel: ExpertParallel) -> torch.Tensor:
+    """Run `routed` (rows sorted by expert, counts[e] for each of all n_experts) on the ranks that hold
+    their experts and return the outputs in the same order."""
+    local_experts = counts.numel() // parallel.size
+    sent = counts.view(parallel.size, local_experts)  # row r: what goes to rank r, per its expert
+    received = torch.empty_like(sent)  # row r: what comes from rank r, per my expert
+    dist.all_to_all_single(received, sent, group=parallel.group)
+    send_sizes, receive_sizes = sent.sum(1).tolist(), received.sum(1).tolist()
+    arrived = all_to_all_single_autograd(routed, receive_sizes, send_sizes, parallel.group)
+    # Arrived rows come by source rank, each run sorted by my experts: regroup them by expert.
+    expert_of_row = torch.arange(local_experts, device=counts.device).repeat(parallel.size)
+    expert_of_row = expert_of_row.repeat_interleave(received.reshape(-1), output_size=arrived.shape[0])
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    outputs = experts(arrived[by_expert], received.sum(0))[torch.argsort(by_expert)]
+    return all_to_all_single_autograd(outputs, send_sizes, receive_sizes, parallel.group)
+
+
 class MoEFeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -134,6 +199,8 @@ class MoEFeedForward(nn.Module):
         else:
             self.experts = ExpertList(Expert(cfg.dim, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
         self.stats: RouterStats | None = None
+        # Set by trainer/parallelize.py when parallel.expert_parallel > 1.
+        self.expert_parallel: ExpertParallel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -145,7 +212,11 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(expert_of, stable=True)
         counts = torch.bincount(expert_of, minlength=self.n_experts)
         token_of = order // self.top_k
-        outputs = self.experts(flat[token_of], counts) * weights.reshape(-1)[order, None]
+        if self.expert_parallel is None:
+            outputs = self.experts(flat[token_of], counts)
+        else:
+            outputs = exchange_with_experts(flat[token_of], counts, self.experts, self.expert_parallel)
+        outputs = outputs * weights.reshape(-1)[order, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, outputs.to(flat.dtype))
         self.stats = RouterStats(counts.float().detach(), probs.sum(dim=0), flat.shape[0])
         return out.reshape(shape)

@@ -6,12 +6,20 @@ SHARD_GRAD_OP  1-D mesh, parameters kept gathered from forward to backward (more
 HYBRID_SHARD   2-D mesh (replicate x shard): shard within a group of `sharding_degree` ranks (a node),
                replicate across groups; gradients reduce-scatter in the group, then all-reduce across.
 NO_SHARD       2-D mesh (replicate x 1): every rank holds everything, gradients all-reduce (DDP).
+
+With parallel.expert_parallel = P, a mixture-of-experts block's stacked experts get a mesh of their own,
+(world / P) x P ("expert_shard" x "expert"): sharded by expert over the P consecutive ranks of an
+expert group (a DTensor, Shard(0)), then by FSDP over the world / P ranks that hold the same experts,
+as their own FSDP unit inside the block. Their gradients are scaled by 1 / P in backward, so that they
+end divided by the world size as every other parameter's are, not by the world / P ranks FSDP
+reduces them over.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -20,10 +28,11 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from trainer.config import Layout, ParallelConfig, Strategy
 from trainer.model import Transformer
+from trainer.moe import ExpertParallel, MoEFeedForward
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -57,14 +66,37 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: ParallelConfig, devic
     tied = model.cfg.tie_embeddings
     if not tied:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
+    expert_mesh = None
+    if cfg.expert_parallel > 1:
+        world = dist.get_world_size()
+        expert_mesh = init_device_mesh(device_type, (world // cfg.expert_parallel, cfg.expert_parallel),
+                                       mesh_dim_names=("expert_shard", "expert"))
     for block in model.layers:
         block.activation_checkpointing = cfg.activation_checkpointing
+        if expert_mesh is not None and isinstance(block.feed_forward, MoEFeedForward):
+            split_experts(block.feed_forward, expert_mesh["expert"])
+            fully_shard(block.feed_forward.experts, mesh=expert_mesh["expert_shard"],
+                        reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
         if cfg.compile:
             block.compile()
         fully_shard(block, reshard_after_forward=reshard, **common)
     head = [model.tok_embeddings, model.norm, model.output] if tied else [model.norm, model.output]
     fully_shard(head, reshard_after_forward=False, **common)
     fully_shard(model, reshard_after_forward=False, **common)
+
+
+def split_experts(moe: MoEFeedForward, expert_mesh: DeviceMesh) -> None:
+    """Make the stacked experts' parameters (still on the meta device) DTensors sharded by expert over
+    the expert group, and tell the block where its experts are."""
+    size = expert_mesh.size()
+    for name, param in list(moe.experts.named_parameters(recurse=False)):
+        rows = param.shape[0] // size
+        local = torch.empty((rows, *param.shape[1:]), device=param.device, dtype=param.dtype)
+        split = DTensor.from_local(local, expert_mesh, [Shard(0)], run_check=False, shape=param.shape,
+                                   stride=param.stride())
+        setattr(moe.experts, name, nn.Parameter(split, requires_grad=param.requires_grad))
+    moe.expert_parallel = ExpertParallel(expert_mesh.get_group(), size)
+    moe.experts.gradient_scale = 1.0 / size
 
 
 def set_gradient_sync(model: FSDPModule, strategy: Strategy, sync: bool) -> None:

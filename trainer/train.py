@@ -100,9 +100,24 @@ def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfi
 
 
 def global_grad_norm_and_clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or math.inf, foreach=True)
-    # Sharded gradients give a DTensor norm: full_tensor() completes the reduction across ranks.
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """The norm of every gradient together, then each clipped by it. Gradients on different meshes
+    (expert parallelism gives the experts a mesh of their own) cannot meet in one foreach kernel:
+    their norms are taken per mesh, completed across ranks (full_tensor) and combined."""
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for param in model.parameters():
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            by_mesh.setdefault(mesh, []).append(param)
+    if not by_mesh:
+        return torch.zeros(())
+    norms = []
+    for params in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for params in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm or math.inf, total, foreach=True)
+    return total
 
 
 @dataclass

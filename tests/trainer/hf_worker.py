@@ -1,6 +1,6 @@
 """Run under torchrun by test_hf_models.py. Modes:
 
-grads MODEL_DIR DOCS_JSON OUT_JSON
+grads MODEL_DIR DOCS_JSON OUT_JSON [KEY=VALUE ...]
     One forward/backward of the sharded trainer model on the documents (packed, document-masked, the
     loss normalised by the counted tokens) and of transformers' model on each document alone (fp32,
     eager, the summed NLL divided by the same count); rank 0 writes the largest relative gradient
@@ -33,10 +33,10 @@ from trainer.tokenizer import Tokenizer
 from trainer.train import build_parallel_model, derive_layout
 
 
-def _config(model_dir: str, docs: str | None = None):
+def _config(model_dir: str, docs: str | None = None, extra: tuple[str, ...] = ()):
     overrides = [f"model.hf_dir={model_dir}", "parallel.param_dtype=fp32",
                  "parallel.activation_checkpointing=false", "data.seq_len=64",
-                 "training.global_batch_size=2", "training.gradient_accumulation=1"]
+                 "training.global_batch_size=2", "training.gradient_accumulation=1", *extra]
     # load-memory reads no data; the path only satisfies the config's check.
     overrides.append(f"data.path={docs or 'unused.jsonl'}")
     return load_config("finetune", overrides)
@@ -66,10 +66,10 @@ def reference_grads(reference) -> dict[str, torch.Tensor]:
     return out
 
 
-def grads(model_dir: str, docs_path: str, out: str) -> None:
+def grads(model_dir: str, docs_path: str, out: str, *overrides: str) -> None:
     from tests.trainer.hf_fixtures import load_reference, load_tokenizer
 
-    cfg = _config(model_dir, docs_path)
+    cfg = _config(model_dir, docs_path, overrides)
     source = evaluation_source(cfg.data, Tokenizer.from_dir(Path(model_dir)), cfg.model.vocab_size, print)
     runtime = init_distributed(cfg.distributed)
     model = build_parallel_model(cfg, runtime, derive_layout(cfg, *launch_sizes()))

@@ -11,7 +11,10 @@ a clamp limit of 0.5.
   equals the loop (forward: torch has no CPU backward for it);
 - `trainer eval` equals transformers' loss on 1 and 2 ranks; one step's gradients (2 ranks);
 - MXFP4 experts, quantised here by hand, load to transformers' own dequantisation;
-- 8 training steps on 2 ranks, exported in bf16 and reloaded by transformers with a lower loss.
+- expert parallelism (parallel.expert_parallel): eval and one step's gradients equal transformers' on
+  2 ranks (EP 2) and 4 ranks (EP 2 x FSDP 2, EP 4); 8 training steps on 2 ranks with EP 2, exported
+  and reloaded by transformers with a lower loss; its step-4 checkpoint resumed without EP gives the
+  same losses.
 """
 
 from __future__ import annotations
@@ -193,11 +196,25 @@ def test_sinks_window_and_yarn_each_change_the_loss(gpt_oss, docs, tmp_path):
     assert abs(reference_eval(tmp_path / "no-sinks", texts, SEQ_LEN)[0] - want) > 5 * REL_TOL * want
 
 
-def test_one_step_gradients_equal_transformers(gpt_oss, docs, tmp_path):
+@pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 2), (4, 2)])
+def test_eval_with_expert_parallelism_equals_transformers(gpt_oss, docs, nproc, expert_parallel):
+    path, texts = docs
+    want_loss, want_tokens = reference_eval(gpt_oss, texts, SEQ_LEN)
+    got = _json_line(torchrun(nproc, _eval_args(gpt_oss, path, "--set",
+                                                f"parallel.expert_parallel={expert_parallel}")))
+    assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
+
+
+@pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 1), (4, 2), (4, 4)])
+def test_one_step_gradients_equal_transformers(gpt_oss, docs, tmp_path, nproc, expert_parallel):
+    """Without expert parallelism, and with it: 4 ranks as 2 expert groups of 2 (each expert's
+    gradient reduced over the 2 ranks that hold it, scaled to the world's average), and as one group
+    of 4."""
     path, _ = docs
     out = tmp_path / "grads.json"
-    assert_ok(torchrun(2, ["-m", "tests.trainer.hf_worker", "grads", str(gpt_oss), str(path), str(out)],
-                       timeout=300))
+    assert_ok(torchrun(nproc, ["-m", "tests.trainer.hf_worker", "grads", str(gpt_oss), str(path), str(out),
+                               f"parallel.expert_parallel={expert_parallel}",
+                               f"training.global_batch_size={nproc}"], timeout=300))
     worst = json.loads(out.read_text())
     assert len(worst) == len(json.loads((gpt_oss / "model.safetensors.index.json").read_text())["weight_map"])
     assert {n.rsplit(".", 1)[-1] for n in worst} >= {"sinks", "gate_up_proj", "down_proj_bias"}
@@ -261,8 +278,10 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(gpt_oss, docs, tmp_
     (quantized / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
 
     want_loss, want_tokens = reference_eval(dequantized, texts, SEQ_LEN)
-    got = _json_line(torchrun(2, _eval_args(quantized, path)))
-    assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
+    # Each rank dequantises its own experts: half of every expert, or all of half the experts (EP 2).
+    for extra in ((), ("--set", "parallel.expert_parallel=2")):
+        got = _json_line(torchrun(2, _eval_args(quantized, path, *extra)))
+        assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
     # A scale table of the wrong shape is refused before any process group, naming the tensor.
     first = next(f for n, f in weight_map.items() if n.endswith("gate_up_proj_scales"))
     tensors = load_file(quantized / first)
@@ -273,11 +292,29 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(gpt_oss, docs, tmp_
     assert proc.returncode != 0 and f"{name.removesuffix('_scales')}_blocks" in proc.stderr
 
 
-def test_train_export_reload_in_transformers(gpt_oss, docs, tmp_path):
+def _losses(metrics: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if '"event"' not in line]
+    return {record["step"]: record["loss"] for record in records if "loss" in record}
+
+
+def test_train_with_expert_parallelism_export_reload_and_resume_without_it(gpt_oss, docs, tmp_path):
     path, texts = docs
-    summary = _train(tmp_path, gpt_oss, path, 2, "--set", "model.router_aux_loss_coef=0.01")
+    trained = tmp_path / "ep2"
+    trained.mkdir()
+    summary = _train(trained, gpt_oss, path, 2, "--set", "model.router_aux_loss_coef=0.01", "--set",
+                     "parallel.expert_parallel=2", "--set", "checkpoint.interval=4")
     assert summary["final_loss"] < summary["first_loss"]
-    export = tmp_path / "export"
+    reference = _losses(trained / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, 9))
+    # The step-4 checkpoint of the expert-parallel run, resumed on the same 2 ranks without expert
+    # parallelism (each rank now holds half of every expert instead of all of half the experts).
+    resumed_dir = tmp_path / "ep1"
+    shutil.copytree(trained / "ckpt" / "step_00000004", resumed_dir / "ckpt" / "step_00000004")
+    _train(resumed_dir, gpt_oss, path, 2, "--set", "model.router_aux_loss_coef=0.01")
+    resumed = _losses(resumed_dir / "metrics.jsonl")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert resumed == pytest.approx({step: reference[step] for step in resumed}, rel=1e-5)
+    export = trained / "export"
     original, exported = _tensors(gpt_oss), _tensors(export)
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {
         k: (v.shape, v.dtype) for k, v in original.items()}
