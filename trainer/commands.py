@@ -33,8 +33,11 @@ def _sharded_over_all(cfg: TrainConfig) -> tuple[TrainConfig, Layout]:
     """The config with FULL_SHARD over every rank: how a model is sharded does not change what it
     computes, and these commands have no batch to split."""
     world_size, _ = launch_sizes()
+    # Expert parallelism stays when it splits this launch (a checkpoint's P need not).
+    expert_parallel = cfg.parallel.expert_parallel if world_size % cfg.parallel.expert_parallel == 0 else 1
     parallel = cfg.parallel.model_copy(update={"strategy": Strategy.FULL_SHARD, "sharding_degree": None,
-                                               "cpu_offload": False, "compile": False})
+                                               "cpu_offload": False, "compile": False,
+                                               "expert_parallel": expert_parallel})
     return cfg.model_copy(update={"parallel": parallel}), Layout(world_size, 1, world_size, 1)
 
 

@@ -470,10 +470,14 @@ class TrainConfig(_Section):
                                     "asks for a Hugging Face export of the project's own model with experts "
                                     "(exports of it are Llama configs, which have none)",
                                     "fine-tune a qwen3_moe model from model.hf_dir, or leave it empty"))
-        if self.parallel.lora.enabled and self.model.n_experts:
-            problems.append(Problem("parallel.lora.rank", self.parallel.lora.rank,
-                                    "asks for LoRA on a mixture-of-experts model (not implemented yet)",
-                                    "fine-tune it fully (parallel.lora.rank=0)"))
+        lora, m = self.parallel.lora, self.model
+        attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
+        all_sparse = all(m.is_moe_layer(i) for i in range(m.n_layers))
+        if lora.enabled and m.n_experts and all_sparse and not attention & set(lora.target_modules):
+            problems.append(Problem("parallel.lora.target_modules", lora.target_modules,
+                                    "adapts only feed-forward projections, and every block of this model has "
+                                    "experts instead (they stay frozen under LoRA)",
+                                    "add the attention projections: q_proj, k_proj, v_proj, o_proj"))
         problems.extend(self._expert_parallel_problems())
         if self.parallel.param_dtype == "fp16" and self.parallel.reduce_dtype == "bf16":
             problems.append(Problem("parallel.reduce_dtype", "bf16", "mixes with fp16 parameters",

@@ -8,6 +8,10 @@ the same `weight`/`bias` names (so loading and exporting the base weights is unc
 units (it all-gathers mixed dtypes and reduce-scatters only the adapters' gradients). Frozen weights
 are kept in the compute dtype (parallel.param_dtype): they need no fp32 master copy since they never
 change, which halves their memory under bf16.
+
+Mixture-of-experts models: the attention projections of every block and the feed-forward projections
+of the dense blocks get adapters; the router and the experts stay frozen (PEFT's default targets for
+Qwen3-MoE and gpt-oss are the same linear layers).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from trainer.config import LoraConfig
 from trainer.hf.adapter import LORA_TARGETS
 from trainer.model import Transformer, fill_normal
+from trainer.moe import MoEFeedForward
 
 
 class LoRALinear(nn.Linear):
@@ -48,6 +53,8 @@ def apply_lora(model: Transformer, cfg: LoraConfig, frozen_dtype: torch.dtype) -
         for path in sorted(wanted):
             parent_name, attr = path.split(".")
             parent = getattr(block, parent_name)
+            if isinstance(parent, MoEFeedForward):
+                continue  # a sparse block: its experts stay frozen
             setattr(parent, attr, LoRALinear(getattr(parent, attr), cfg.rank, cfg.alpha))
             adapted.append(f"layers.{block_no}.{path}")
     for name, param in model.named_parameters():

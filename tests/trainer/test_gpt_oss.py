@@ -14,7 +14,9 @@ a clamp limit of 0.5.
 - expert parallelism (parallel.expert_parallel): eval and one step's gradients equal transformers' on
   2 ranks (EP 2) and 4 ranks (EP 2 x FSDP 2, EP 4); 8 training steps on 2 ranks with EP 2, exported
   and reloaded by transformers with a lower loss; its step-4 checkpoint resumed without EP gives the
-  same losses.
+  same losses;
+- LoRA (attention only: the experts stay frozen) with EP 2, its PEFT adapter loaded by peft onto
+  transformers' GptOss, the merged export equal to peft's merge.
 """
 
 from __future__ import annotations
@@ -330,3 +332,36 @@ def test_train_with_expert_parallelism_export_reload_and_resume_without_it(gpt_o
     before, _ = reference_eval(gpt_oss, texts, SEQ_LEN)
     after, _ = reference_eval(export, texts, SEQ_LEN)
     assert after < before - 0.05
+
+
+def test_lora_with_expert_parallelism_exports_a_peft_adapter(gpt_oss, docs, tmp_path):
+    path, texts = docs
+    _train(tmp_path, gpt_oss, path, 2, "--set", "parallel.lora.rank=4", "--set", "parallel.lora.alpha=8",
+           "--set", "optim.lr=5e-3", "--set", "parallel.expert_parallel=2")
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(load_reference(gpt_oss), tmp_path / "export")
+    lora_b = {n: p for n, p in peft_model.named_parameters() if "lora_B" in n}
+    # The four attention projections of both blocks, every one trained; no expert or router adapter.
+    assert len(lora_b) == 2 * 4 and all(p.abs().max() > 0 for p in lora_b.values())
+    assert all(".self_attn." in n for n in lora_b)
+    merged_by_peft = peft_model.merge_and_unload()
+    checkpoint = sorted((tmp_path / "ckpt").glob("step_*"))[-1]
+    merged = tmp_path / "merged"
+    assert_ok(_single(["-m", "trainer", "export", "--checkpoint", str(checkpoint), "--out", str(merged),
+                       "--set", "parallel.lora.export=merged"]))
+    ids = torch.tensor([[0, 5, 17, 42, 99, 7, 3]])
+    with torch.no_grad():
+        assert torch.allclose(load_reference(merged)(ids).logits, merged_by_peft(ids).logits, atol=5e-2)
+    before, _ = reference_eval(gpt_oss, texts, SEQ_LEN)
+    after, _ = reference_eval(merged, texts, SEQ_LEN)
+    assert after < before
+
+
+def test_lora_on_feed_forward_names_only_is_refused(gpt_oss):
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config("finetune", [f"model.hf_dir={gpt_oss}", "data.path=x.jsonl", "parallel.lora.rank=4",
+                                 "parallel.lora.target_modules=[gate_proj,up_proj]"])
+    assert "parallel.lora.target_modules" in str(e.value) and "q_proj" in str(e.value)

@@ -80,11 +80,18 @@ def test_unsupported_moe_fields_are_refused_by_name(moe, field, value, words):
     assert field in str(e.value) and words in str(e.value)
 
 
-def test_lora_on_moe_is_refused(moe):
-    with pytest.raises(ConfigError) as e:
-        load_config("finetune", [f"model.hf_dir={moe}", "data.path=x.jsonl", "data.seq_len=64",
-                                 "parallel.lora.rank=4"])
-    assert "parallel.lora.rank" in str(e.value)
+def test_lora_on_moe_adapts_attention_and_dense_blocks_only(moe):
+    from trainer.lora import apply_lora
+
+    cfg = load_config("finetune", [f"model.hf_dir={moe}", "data.path=x.jsonl", "data.seq_len=64",
+                                   "parallel.lora.rank=4"])
+    model = build_model(cfg.model)
+    adapted = apply_lora(model, cfg.parallel.lora, torch.bfloat16)
+    attention = [f"layers.{i}.attention.w{x}" for i in (0, 1) for x in "kqvo"]
+    dense = [f"layers.0.feed_forward.w{x}" for x in "123"]  # block 0 is dense (mlp_only_layers)
+    assert sorted(adapted) == sorted(attention + dense)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{m}.lora_{x}" for m in adapted for x in "ab"}
 
 
 def _ours_from_theirs(block) -> MoEFeedForward:

@@ -93,3 +93,15 @@ def test_lora_preset_trains_the_adapters_only():
     per_layer = 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2 + (8192 + 28672) * 3)
     assert trainable == 80 * per_layer
     assert all(p.dtype == torch.bfloat16 for p in model.parameters() if not p.requires_grad)
+
+
+def test_gpt_oss_lora_preset_adapts_attention_only():
+    from trainer.lora import apply_lora
+
+    cfg = load_config("gpt-oss-120b-lora")
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.parallel.lora, torch.bfloat16)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # r x (in + out) for q (2880 -> 64 x 64), k and v (2880 -> 8 x 64), o (4096 -> 2880), 36 blocks.
+    per_layer = 16 * ((2880 + 4096) * 2 + (2880 + 512) * 2)
+    assert trainable == 36 * per_layer
