@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--trainer-config", metavar="NAME",
                     help="the trainer config whose memory fit to show (default: the spec's trainer.config; "
                          "e.g. gpt-7b)")
+    sp.add_argument("--tokens", metavar="N",
+                    help="also show how long and how much training the config on N tokens takes, here and "
+                         "on the cheapest cluster that fits (e.g. 1e9)")
+    sp.add_argument("--mfu", metavar="FRACTION",
+                    help="with --tokens: the model FLOPs utilisation to assume, 0-1 (default: the GPU "
+                         "check's measurement, docs/gpu-check.md)")
 
     sp = cmd("preflight", "Check quotas, offerings, AMI, key pair, subnets, reservations and IAM permissions "
              "with real credentials, before anything is created.", cluster=False)

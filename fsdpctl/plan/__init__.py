@@ -1,11 +1,13 @@
 """`fsdpctl plan SPEC.yaml`: what `pulumi up` would create, and what it would cost, offline.
 
 The real Pulumi program runs under Pulumi's mocks (`infra.offline`); `cost` prices the recorded
-resources, `render` prints them grouped by component.
+resources, `render` prints them grouped by component, `fit` checks a trainer config's memory on the
+cluster, and `tokens` (--tokens) turns it into the hours and dollars of training on N tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -14,6 +16,7 @@ from fsdpctl.errors import UsageError
 from fsdpctl.plan.cost import CostEstimate, CostLine, estimate_cost, load_prices
 from fsdpctl.plan.fit import memory_fit, render_fit
 from fsdpctl.plan.render import describe, render_json, render_summary, render_text
+from fsdpctl.plan.tokens import parse_mfu, parse_tokens, plan_tokens, render_tokens
 from infra.spec import load_spec
 
 __all__ = ["CostEstimate", "CostLine", "cmd_plan", "describe", "estimate_cost", "load_prices",
@@ -34,6 +37,11 @@ def _require_pulumi() -> None:
 def cmd_plan(args: Any) -> int:
     # Validation first: a bad spec raises SpecError (exit 2, every problem listed) before the
     # program registers anything.
+    tokens = None if args.tokens is None else parse_tokens(args.tokens)
+    if args.mfu is not None and tokens is None:
+        raise UsageError(f"--mfu {args.mfu} applies only to --tokens; add --tokens N (e.g. 1e9) or drop "
+                         "--mfu")
+    mfu = None if args.mfu is None else parse_mfu(args.mfu)
     spec = load_spec(args.spec)
     prices = load_prices(args.prices)
     _require_pulumi()
@@ -46,12 +54,17 @@ def cmd_plan(args: Any) -> int:
     cost = estimate_cost(plan, prices)
     # The spec's trainer config runs only in the smoke test and scale-test, which set its batch from
     # the world size; a config named here is checked as it is, as `fsdpctl train` would run it.
-    fit = memory_fit(spec, args.trainer_config or spec.trainer.config,
-                     smoke_test_batch=not args.trainer_config)
+    config = args.trainer_config or spec.trainer.config
+    fit = memory_fit(spec, config, smoke_test_batch=not args.trainer_config)
     if args.trainer_config and "skipped" in fit and "trainer is not installed" not in fit["skipped"]:
         raise UsageError(f"--trainer-config {args.trainer_config}: {fit['skipped']}")
+    training = None if tokens is None else plan_tokens(spec, cost, prices, config,
+                                                        smoke_test_batch=not args.trainer_config,
+                                                        tokens=tokens, mfu_override=mfu)
     if args.json:
-        say(json.dumps({**json.loads(render_json(plan, cost)), "memory_fit": fit}, indent=2))
+        extra = {} if training is None else {"training": dataclasses.asdict(training)}
+        say(json.dumps({**json.loads(render_json(plan, cost)), "memory_fit": fit, **extra}, indent=2))
     else:
-        say(render_text(plan, cost) + "\n" + render_fit(fit))
+        say("\n".join([render_text(plan, cost), render_fit(fit),
+                       *([] if training is None else [render_tokens(training)])]))
     return 0

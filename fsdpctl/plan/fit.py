@@ -4,11 +4,14 @@ layout check and estimator (`fsdp-train --estimate`, docs/trainer.md) on every G
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fsdpctl.checks.batch import assignments, batch_settings
 from fsdpctl.plan.render import WIDTH
 from infra.spec import ClusterSpec
+
+if TYPE_CHECKING:  # the trainer is an optional extra (memory_fit says when it is missing)
+    from trainer.config import TrainConfig
 
 # The estimator's --gpu names by the catalog's gpu_model (infra/data/instance_types.yaml).
 ESTIMATOR_GPUS = {"A100-SXM4-40GB": "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "H100-SXM5-80GB": "h100",
@@ -21,17 +24,17 @@ def memory_fit(spec: ClusterSpec, config: str, *, smoke_test_batch: bool) -> dic
     (fsdpctl/checks/batch.py). `runs_on_spec` False (and the trainer's `layout_problems`) where the
     trainer refuses the config on that many ranks; `{"skipped": why}` where it cannot be computed."""
     try:  # the operator's venv has torch with the trainer extra (the default install), not always
-        from trainer.config import derive_layout, load_config
+        from trainer.config import derive_layout
         from trainer.errors import ConfigError as TrainerConfigError
         from trainer.estimate import GIB, estimate
     except ImportError as e:
-        return {"skipped": f"the trainer is not installed here ({e}); pip install -e '.[trainer]' adds it"}
+        return {"skipped": trainer_missing(e)}
     instance = spec.instance
     gpu = ESTIMATOR_GPUS.get(instance.gpu_model)
     ranks_per_node = spec.trainer.nproc_per_node or instance.gpus
     world_size = spec.node_count * ranks_per_node
     try:
-        cfg = load_config(config, assignments(batch_settings(world_size)) if smoke_test_batch else [])
+        cfg = load_trainer_config(config, world_size, smoke_test_batch=smoke_test_batch)
     except TrainerConfigError as e:
         return {"skipped": f"trainer config {config!r}: {e.problems[0]}"}
     fit: dict[str, Any] = {"config": config, "smoke_test_batch": smoke_test_batch, "world_size": world_size,
@@ -44,6 +47,18 @@ def memory_fit(spec: ClusterSpec, config: str, *, smoke_test_batch: bool) -> dic
     return {**fit, "runs_on_spec": True, "gpu": gpu, "per_rank_gib": round(result.total / GIB, 2),
             "usable_gib": round((result.usable_bytes or 0) / GIB, 1),
             "fits": result.fits, "smallest_fitting_world_size": result.smallest_fitting_world_size}
+
+
+def trainer_missing(error: ImportError) -> str:
+    return f"the trainer is not installed here ({error}); pip install -e '.[trainer]' adds it"
+
+
+def load_trainer_config(config: str, world_size: int, *, smoke_test_batch: bool) -> TrainConfig:
+    """The trainer config as it would run on `world_size` ranks: as it is, or with the batch the
+    smoke test and scale-test set for that world size. Raises the trainer's ConfigError."""
+    from trainer.config import load_config
+
+    return load_config(config, assignments(batch_settings(world_size)) if smoke_test_batch else [])
 
 
 def render_fit(fit: dict[str, Any]) -> str:
