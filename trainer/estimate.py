@@ -40,6 +40,13 @@ GIB = 2**30
 # Memory of one GPU as CUDA reports it, by the names --gpu accepts.
 GPU_MEMORY = {"a100-40gb": 40 * GIB, "a100-80gb": 80 * GIB, "h100": 80 * GIB, "h200": 140 * GIB}
 USABLE_FRACTION = 0.9
+
+
+def usable_bytes(gpu: str) -> int:
+    """What a run may use of a GPU's memory (the rest: the CUDA context, NCCL buffers, fragmentation)."""
+    return int(GPU_MEMORY[gpu] * USABLE_FRACTION)
+
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CLUSTER_STEP = 8  # GPUs per node on p4d/p5: clusters grow by whole nodes
 MAX_CLUSTER = 4096
@@ -190,7 +197,7 @@ def estimate(cfg: TrainConfig, world_size: int, gpu: str | None = None, *, ranks
                                    f"use one of: {', '.join(GPU_MEMORY)}")])
     memory = _memory(cfg, world_size, ranks_per_node, flash_attention)
     gpu_bytes = GPU_MEMORY.get(gpu) if gpu else None
-    usable = int(gpu_bytes * USABLE_FRACTION) if gpu_bytes else None
+    usable = usable_bytes(gpu) if gpu_bytes else None
     smallest = None
     if usable:
         for candidate in range(CLUSTER_STEP, MAX_CLUSTER + 1, CLUSTER_STEP):

@@ -193,10 +193,11 @@ class _Sizes:
 
 
 def _usable_bytes(gpu: str) -> int:
-    """What the estimator compares a rank's bytes with (trainer/estimate.py)."""
-    from trainer.estimate import GPU_MEMORY, USABLE_FRACTION
+    """What the estimator compares a rank's bytes with (trainer/estimate.py; imported here because the
+    trainer is an optional extra of fsdpctl)."""
+    from trainer.estimate import usable_bytes
 
-    return int(GPU_MEMORY[gpu] * USABLE_FRACTION)
+    return usable_bytes(gpu)
 
 
 def _gib(value: int) -> float:
