@@ -196,8 +196,8 @@ def cmd_status(args: Namespace) -> int:
         f"{summary['age']} ago, state {state.root}")
     if record.expires_at:
         if summary["expired"]:
-            say(f"EXPIRED at {record.expires_at}: the expiry schedules stopped the nodes, bastion, NAT "
-                f"gateway and file system; `fsdpctl up {state.spec_path}` brings them back, "
+            say(f"EXPIRED at {record.expires_at}: the expiry schedules stopped "
+                f"{state.spec().stopped_at_expiry()}; `fsdpctl up {state.spec_path}` brings them back, "
                 f"`fsdpctl down --cluster {state.name}` removes the rest")
         else:
             say(f"expires at {expiry_text(record.expires_at, left=True)}; `fsdpctl extend --hours N` "

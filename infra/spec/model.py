@@ -439,6 +439,19 @@ class ClusterSpec(_Model):
         """Tags on every taggable resource (the teardown sweep finds leftovers by the first)."""
         return {CLUSTER_TAG: self.name, **self.tags}
 
+    def stopped_at_expiry(self) -> str:
+        """What the expiry schedules stop for this spec, as a phrase: "the nodes, the bastion, ..."."""
+        parts = ["the nodes"]
+        if self.access.bastion:
+            parts.append("the bastion")
+        if self.capacity.reserves_on_demand:
+            parts.append("the capacity reservation")
+        if self.network.creates_vpc:
+            parts.append("the NAT gateway")
+        if self.storage.fsx.enabled and self.storage.fsx.at_expiry is not FsxAtExpiry.KEEP:
+            parts.append("the file system")
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
     def warnings(self) -> list[str]:
         out = []
         if self.capacity.uses_reservation and self.placement_group.enabled is None \

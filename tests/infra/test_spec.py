@@ -185,3 +185,20 @@ def test_the_file_system_kept_at_expiry_is_what_keeps_billing():
     assert "FSx for Lustre file system demo-fsx" in after.still_billed
     after = after_expiry(plan_of(storage={"fsx": {"enabled": True, "at_expiry": "backup"}}))
     assert "FSx for Lustre file system demo-fsx" in after.stopped
+
+
+@pytest.mark.parametrize(("changes", "phrase"), [
+    ({}, "the nodes, the bastion, the capacity reservation and the NAT gateway"),
+    ({"storage": {"fsx": {"enabled": True}}, "access": {"bastion": False}},
+     "the nodes, the capacity reservation, the NAT gateway and the file system"),
+    ({"storage": {"fsx": {"enabled": True, "at_expiry": "keep"}}, "capacity": {"all_or_nothing": False}},
+     "the nodes, the bastion and the NAT gateway"),
+])
+def test_what_the_expiry_stopped_is_said_per_spec(changes, phrase):
+    """status, extend and up after an expiry name what the schedules stopped: what this spec has and
+    the program gives a schedule, not a fixed list (a kept file system was not stopped)."""
+    spec = parse_spec(demo_data(**changes))
+    assert spec.stopped_at_expiry() == phrase
+    schedules = {r.name for r in plan_of(**changes).mocks.of_type("aws:scheduler/schedule:Schedule")}
+    assert any(n.endswith("expiry-fsx") for n in schedules) == ("file system" in phrase)
+    assert any(n.endswith("expiry-bastion") for n in schedules) == ("bastion" in phrase)

@@ -168,8 +168,8 @@ def stack_config(stack, spec: ClusterSpec, *, now: dt.datetime | None = None,
         pinned = None
     if pinned and _utc(pinned) <= now:
         if out:
-            out(f"cluster {spec.name} expired at {pinned} (its nodes, bastion, NAT gateway and file "
-                f"system were stopped); this `up` recreates them with a new expiry")
+            out(f"cluster {spec.name} expired at {pinned} ({spec.stopped_at_expiry()} were stopped); "
+                "this `up` recreates them with a new expiry")
         pinned = None
     return StackConfig(spec.region, cluster, expires_at=pinned or expiry_time(spec, now))
 
@@ -466,8 +466,8 @@ def extend(state: ClusterState, spec: ClusterSpec, *, hours: int, approve: Calla
     now = now or dt.datetime.now(dt.UTC)
     record = state.read()
     if record.expires_at and _utc(record.expires_at) <= now:
-        raise UsageError(f"cluster {spec.name} expired at {record.expires_at}: its nodes, bastion, NAT "
-                         f"gateway and file system were stopped. Run `fsdpctl up {state.spec_path}` to "
+        raise UsageError(f"cluster {spec.name} expired at {record.expires_at}: {spec.stopped_at_expiry()} "
+                         f"were stopped. Run `fsdpctl up {state.spec_path}` to "
                          "bring it back with a new expiry (then `fsdpctl extend` moves that one)")
     command = pulumi_command()
     stack = open_stack(spec, command, create=False)
