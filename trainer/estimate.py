@@ -105,7 +105,7 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
                  + e * kv + e * q + 4 * m.n_heads)  # v; attention output and its log-sum-exp
     feed_forward = rmsnorm + e * 4 * f  # w1 and w3 outputs, silu, their product
     scores = 0 if flash_attention else 4 * m.n_heads * cfg.data.seq_len  # the probabilities
-    if m.attention_sinks:  # computed in full (trainer/model.py): fp32 probabilities and their cast copy
+    if m.attention_sinks and not flash_attention:  # computed in full off CUDA (trainer/model.py)
         scores = (4 + e) * m.n_heads * cfg.data.seq_len
     per_block = tokens * (attention + feed_forward + scores)
     # Mixture of experts, kept simple: every token is routed to k experts, so the experts' saved

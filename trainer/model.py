@@ -133,8 +133,18 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
                          mask: torch.Tensor | None) -> torch.Tensor:
     """gpt-oss attention, q/k/v [batch, heads, seq, head_size]: each head's softmax gets one more logit,
     its learned sink, which is then dropped, so the weights on the real keys sum to less than one.
-    Computed in full (scores in fp32), as SDPA has no sink; the fused path (FlexAttention's log-sum-exp
-    scaled by sigmoid(lse - sink)) has no backward on CPU, where the tests run."""
+    SDPA has no sink. On CUDA: FlexAttention (compiled, no seq x seq scores in memory) returns each
+    row's log-sum-exp, and scaling its output by sigmoid(lse - sink) = Z / (Z + e^sink) adds the sink
+    to the denominator. Elsewhere the scores are computed in full, as FlexAttention has no CPU
+    backward; both equal transformers' eager attention (tests/trainer/test_gpt_oss.py)."""
+    if q.is_cuda:
+        return flex_attention_with_sinks(q, k, v, sinks, mask, compiled=True)
+    return full_attention_with_sinks(q, k, v, sinks, mask)
+
+
+def full_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                              mask: torch.Tensor | None) -> torch.Tensor:
+    """The sink attention with every score materialised (fp32)."""
     b, heads, seq, head_size = q.shape
     groups = heads // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -145,6 +155,39 @@ def attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sink
     sink = sinks.float().view(1, heads, 1, 1).expand(b, heads, seq, 1)
     weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return weights.to(v.dtype) @ v
+
+
+_compiled_flex_attention = None
+
+
+def flex_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                              mask: torch.Tensor | None, *, compiled: bool) -> torch.Tensor:
+    """The sink attention through FlexAttention's log-sum-exp (compiled: the fused kernel; eager:
+    the reference implementation, forward only on CPU)."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    global _compiled_flex_attention
+    b, _, seq, _ = q.shape
+    if mask is None:
+        def mask_mod(batch, head, query, key):
+            return key <= query
+        rows = None
+    else:
+        allowed = mask.expand(b, 1, seq, seq)
+
+        def mask_mod(batch, head, query, key):
+            return allowed[batch, 0, query, key]
+        rows = b
+    block_mask = create_block_mask(mask_mod, B=rows, H=None, Q_LEN=seq, KV_LEN=seq, device=q.device)
+    attend = flex_attention
+    if compiled:
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention)
+        attend = _compiled_flex_attention
+    out, aux = attend(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1],
+                      return_aux=AuxRequest(lse=True))
+    scale = torch.sigmoid(aux.lse.float() - sinks.float().view(1, -1, 1))
+    return out * scale.unsqueeze(-1).to(out.dtype)
 
 
 class Attention(nn.Module):

@@ -7,8 +7,9 @@ context of 16, head_dim 24 (hidden 64 / 4 heads would be 16), sinks ~ N(0, 1), 4
 a clamp limit of 0.5.
 - the config.json fields read, the parameter count against transformers', names both ways;
 - YaRN's frequencies and factor equal transformers' (truncated or not); the sink attention equals
-  transformers' eager attention; the MoE block equals transformers' GptOssMLP; the grouped-GEMM path
-  equals the loop (forward: torch has no CPU backward for it);
+  transformers' eager attention, and so does the CUDA path (FlexAttention, run here forward-only);
+  the MoE block equals transformers' GptOssMLP; the grouped-GEMM path equals the loop (forward:
+  torch has no CPU backward for it);
 - `trainer eval` equals transformers' loss on 1 and 2 ranks; one step's gradients (2 ranks);
 - MXFP4 experts, quantised here by hand, load to transformers' own dequantisation;
 - expert parallelism (parallel.expert_parallel): eval and one step's gradients equal transformers' on
@@ -35,7 +36,14 @@ from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_lin
 from trainer.config import ModelConfig, RopeScaling, load_config
 from trainer.hf.adapter import from_hf, to_hf
 from trainer.hf.config import architecture_from_dict
-from trainer.model import attention_mask, attention_with_sinks, build_model, yarn_inv_freq
+from trainer.model import (
+    attention_mask,
+    attention_with_sinks,
+    build_model,
+    flex_attention_with_sinks,
+    full_attention_with_sinks,
+    yarn_inv_freq,
+)
 from trainer.moe import MoEFeedForward
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -133,6 +141,13 @@ def test_sink_attention_equals_transformers_eager():
         theirs, _ = eager_attention_forward(module, q, k, v, additive, scaling=d ** -0.5)
         ours = attention_with_sinks(q, k, v, module.sinks, attention_mask(seq, "cpu", window=window))
         assert torch.allclose(ours.transpose(1, 2), theirs, atol=1e-6)
+    # The CUDA path (FlexAttention's log-sum-exp) computes the same, run here eagerly without grad (torch
+    # has no CPU backward for it): with packed documents and a window, and plain causal.
+    documents = torch.tensor([[0] * 12 + [1] * 8, [0] * 20])
+    for mask in (attention_mask(seq, "cpu", documents, window=5), None):
+        with torch.no_grad():
+            flex = flex_attention_with_sinks(q, k, v, module.sinks, mask, compiled=False)
+        assert torch.allclose(flex, full_attention_with_sinks(q, k, v, module.sinks, mask), atol=1e-5)
     # The sinks matter: without them the weights would sum to one.
     plain = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
