@@ -1,6 +1,7 @@
 """Run by tests/trainer/test_estimate.py in its own process (a world of one): the measured peak of
 tensor bytes over the first forward + backward of small models (PeakTracker; it sees what the step
-allocates: gathered parameters, gradients, activations) next to the estimator's figure for the same.
+allocates: gathered parameters, gradients, activations) next to the estimator's figure for the same,
+for two dense models and two mixtures of experts.
 
     python -m tests.trainer.estimate_worker OUT.json
 """
@@ -25,7 +26,18 @@ CASES = {
              "model.n_layers=4", "model.max_seq_len=256", "data.seq_len=256"],
     "wide": ["model.vocab_size=512", "model.dim=256", "model.n_heads=8", "model.ffn_dim=704",
              "model.n_layers=2", "model.max_seq_len=128", "data.seq_len=128"],
+    # Qwen3-MoE-like: 8 SwiGLU experts, top-2, one dense block and one sparse.
+    "moe": ["model.vocab_size=512", "model.dim=128", "model.n_heads=4", "model.ffn_dim=352",
+            "model.n_layers=2", "model.max_seq_len=128", "data.seq_len=128", "model.n_experts=8",
+            "model.n_active_experts=2", "model.moe_ffn_dim=128", "model.moe_layers=[1]"],
+    # gpt-oss-like: stacked experts with biases, router bias, sinks (full scores on CPU), a window.
+    "gpt_oss": ["model.vocab_size=512", "model.dim=128", "model.n_heads=4", "model.ffn_dim=128",
+                "model.n_layers=2", "model.max_seq_len=128", "data.seq_len=128", "model.n_experts=8",
+                "model.n_active_experts=2", "model.expert_kind=gpt_oss", "model.router_bias=true",
+                "model.attention_sinks=true", "model.sliding_window=32", "model.sliding_layers=[0]"],
 }
+# Cases whose attention materialises the scores on CPU (the sinks' full path): estimated without flash.
+FULL_SCORES = {"gpt_oss"}
 
 
 def main() -> None:
@@ -45,7 +57,7 @@ def main() -> None:
             with PeakTracker() as tracker:
                 loss_fn(model(batch.inputs), batch.targets).backward()
             loader.close()
-            est = estimate(cfg, 1, ranks_per_node=1)
+            est = estimate(cfg, 1, ranks_per_node=1, flash_attention=name not in FULL_SCORES)
             results[f"{name}{'_ac' if checkpointing else ''}"] = {
                 "measured": tracker.peak, "estimated": est.gathered + est.grads + est.activations}
     shutdown()

@@ -1,9 +1,11 @@
 """The memory estimator (trainer/estimate.py, `fsdp-train --estimate`).
 
 Against measured CPU peaks (tests/trainer/estimate_worker.py: first forward + backward of two small fp32
-models, with and without activation checkpointing, tensor bytes tracked): measured estimate/measured
-ratios 0.92-1.58. The stated tolerance is 0.8x-1.7x: the estimator may overstate (it counts every
-saved tensor at once and a backward transient), and may understate by at most 20%."""
+dense models and two mixtures of experts, with and without activation checkpointing, tensor bytes
+tracked): measured estimate/measured ratios 0.92-1.58 dense, 1.27-1.76 MoE (the routed copies and the
+sorted dispatch are counted at their largest). The stated tolerance is 0.8x-1.7x dense, 0.8x-1.8x MoE:
+the estimator may overstate (it counts every saved tensor at once and a backward transient), and may
+understate by at most 20%."""
 
 from __future__ import annotations
 
@@ -25,9 +27,12 @@ def test_estimate_against_measured_cpu_peaks(tmp_path):
                           capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr[-3000:]
-    for case, figures in json.loads(out.read_text()).items():
+    cases = json.loads(out.read_text())
+    assert {"deep", "wide", "moe", "gpt_oss"} <= set(cases)
+    for case, figures in cases.items():
         ratio = figures["estimated"] / figures["measured"]
-        assert 0.8 <= ratio <= 1.7, (case, figures, ratio)
+        high = 1.8 if case.startswith(("moe", "gpt_oss")) else 1.7
+        assert 0.8 <= ratio <= high, (case, figures, ratio)
 
 
 @pytest.mark.parametrize(("preset", "world_size", "gpu"), [
