@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu-check.md): throughput, MFU, compile, fp16, resume and collectives of the
-# trainer on the GPUs of this machine, and the Llama-3.2-1B shape loaded from a Hugging Face directory
-# beside torchtitan on the same shape, within a time budget (10 minutes by default), each step under
-# `timeout`, one step's failure never stopping the others. Run it from the repository root:
+# trainer on the GPUs of this machine, the Llama-3.2-1B shape loaded from a Hugging Face directory
+# beside torchtitan on the same shape, and a few blocks of gpt-oss at its real widths (random weights),
+# within a time budget (10 minutes by default), each step under `timeout`, one step's failure never
+# stopping the others. Run it from the repository root:
 #
 #   bench/gpu_check.sh [--out DIR] [--only STEPS] [--skip STEPS] [--dry-run] [--plan] ...
 #   make gpu-check                      # the same, OUT=... to choose the directory
@@ -14,7 +15,7 @@
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-ALL_STEPS=(bf16 compile fp16 resume throughput collectives hf_llama1b torchtitan_llama1b)
+ALL_STEPS=(bf16 compile fp16 resume throughput collectives hf_llama1b torchtitan_llama1b gpt_oss_layers)
 declare -A STEP_INFO=(
   [bf16]="gpt-1b, bf16 parameters and fp32 reduction, one GPU: tokens/s, MFU, memory, step time"
   [compile]="the same with parallel.compile=true: compile time apart from the steady state"
@@ -24,12 +25,14 @@ declare -A STEP_INFO=(
   [collectives]="trainer.collectives over NCCL (2+ GPUs): all-reduce bus bandwidth by size"
   [hf_llama1b]="Llama-3.2-1B shape loaded from a Hugging Face directory (model.hf_dir), bf16: tokens/s, MFU"
   [torchtitan_llama1b]="torchtitan 0.3.0 on the same shape, batch and sequence: tokens/s, MFU, the ratio"
+  [gpt_oss_layers]="gpt-oss widths, a few blocks, random weights: tokens/s, MFU (active parameters), memory"
 )
 # Seconds each step may take at most (the budget may leave less).
 # hf_llama1b includes writing the Hugging Face directory (2.5 GB) once; torchtitan_llama1b installing its
 # wheels and autotuning its FlexAttention kernels (torchtitan/models/common/attention.py: max_autotune).
+# gpt_oss_layers initialises and trains a model of 4.5 billion parameters (gpt-oss-20b's width, 4 blocks).
 declare -A STEP_TIMEOUT=([bf16]=120 [compile]=200 [fp16]=90 [resume]=150 [throughput]=150 [collectives]=90
-                         [hf_llama1b]=240 [torchtitan_llama1b]=360)
+                         [hf_llama1b]=240 [torchtitan_llama1b]=360 [gpt_oss_layers]=240)
 
 usage() {
   cat <<EOF
@@ -53,7 +56,9 @@ options:
 environment: GPU_CHECK_DEVICE=cuda|cpu, GPU_CHECK_WORK (step directories), GPU_CHECK_SITE (where missing
 modules are installed, default /tmp/gpu-check-site), GPU_CHECK_MICRO_BATCH (sequences per GPU, default 8),
 GPU_CHECK_PEAK_FLOPS (MFU peak for an unlisted GPU), GPU_CHECK_SET (extra trainer KEY=VALUE settings,
-space-separated), GPU_CHECK_LLAMA1B_COMPILE=1 (compile both Llama-3.2-1B runs), PYTHON (default python3).
+space-separated), GPU_CHECK_LLAMA1B_COMPILE=1 (compile both Llama-3.2-1B runs), GPU_CHECK_GPT_OSS_ARCH
+(gpt-oss-20b, the default, or gpt-oss-120b), GPU_CHECK_GPT_OSS_LAYERS (its first blocks, default 4),
+GPU_CHECK_GPT_OSS_MICRO_BATCH (its sequences per step, default 4), PYTHON (default python3).
 EOF
 }
 
@@ -92,6 +97,18 @@ case ${GPU_CHECK_LLAMA1B_COMPILE:-0} in
   1) LLAMA_COMPILE=true ;;
   *) die_usage "GPU_CHECK_LLAMA1B_COMPILE='$GPU_CHECK_LLAMA1B_COMPILE' must be 0 (eager, default) or 1" ;;
 esac
+# gpt_oss_layers: the bundled architecture cut to its first blocks (docs/gpu-check.md, "gpt-oss on one
+# GPU": 4 blocks of gpt-oss-20b fit one H200, where one block of gpt-oss-120b's 128 experts is the most
+# that does), and its own batch (the attention with sinks holds full fp32 score matrices).
+GPT_OSS_ARCH=${GPU_CHECK_GPT_OSS_ARCH:-gpt-oss-20b}
+case $GPT_OSS_ARCH in
+  gpt-oss-20b|gpt-oss-120b) ;;
+  *) die_usage "GPU_CHECK_GPT_OSS_ARCH='$GPT_OSS_ARCH' is not a bundled gpt-oss architecture; use gpt-oss-20b (the default) or gpt-oss-120b" ;;
+esac
+GPT_OSS_LAYERS=${GPU_CHECK_GPT_OSS_LAYERS:-4}
+[[ $GPT_OSS_LAYERS =~ ^[1-9][0-9]*$ ]] || die_usage "GPU_CHECK_GPT_OSS_LAYERS='$GPT_OSS_LAYERS' must be a positive whole number of blocks (default 4)"
+GPT_OSS_BATCH=${GPU_CHECK_GPT_OSS_MICRO_BATCH:-4}
+[[ $GPT_OSS_BATCH =~ ^[1-9][0-9]*$ ]] || die_usage "GPU_CHECK_GPT_OSS_MICRO_BATCH='$GPT_OSS_BATCH' must be a positive whole number of sequences (default 4)"
 
 check_steps() {  # $1 option name, $2 comma list
   local name
@@ -146,31 +163,33 @@ fi
 # --- the steps' commands ---------------------------------------------------------------------------
 if [[ $DEVICE == cuda ]]; then
   CONFIG=gpt-1b BATCH=$MICRO_BATCH
-  N_THROUGHPUT=50 N_FP16=30 N_RESUME=20 K_RESUME=10 N_LLAMA=30
+  N_THROUGHPUT=50 N_FP16=30 N_RESUME=20 K_RESUME=10 N_LLAMA=30 N_GPT_OSS=20
   FP16_LR=(--set optim.lr=3e-4 --set optim.warmup_steps=5)
   # The resume step writes two checkpoints: two layers keep them small (about 3 GB) and quick.
   RESUME_MODEL=(--set model.n_layers=2)
   LLAMA_SEQ=2048
+  GPT_OSS_WIDTHS=()
 else
   CONFIG=tiny BATCH=${GPU_CHECK_MICRO_BATCH:-4}
-  N_THROUGHPUT=5 N_FP16=8 N_RESUME=6 K_RESUME=3 N_LLAMA=5
+  N_THROUGHPUT=5 N_FP16=8 N_RESUME=6 K_RESUME=3 N_LLAMA=5 N_GPT_OSS=5
   FP16_LR=()
   RESUME_MODEL=()
   LLAMA_SEQ=64
+  GPT_OSS_WIDTHS=(--tiny)  # the same blocks and keys, widths of a few dozen
 fi
 # One optimizer step = one micro-batch per rank: no accumulation, the whole batch on one GPU.
 # A metrics record per step (the summary's medians and warm-up excess are per step; the default log
 # interval averages 10 steps into one record).
-SETS=(--set "distributed.device=$DEVICE" --set "training.global_batch_size=$BATCH"
-      --set training.gradient_accumulation=1 --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32
-      --set metrics.log_interval=1)
-[[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && SETS+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
+RUN_SETS=(--set "distributed.device=$DEVICE" --set training.gradient_accumulation=1
+          --set parallel.param_dtype=bf16 --set parallel.reduce_dtype=fp32 --set metrics.log_interval=1)
+[[ -n ${GPU_CHECK_PEAK_FLOPS:-} ]] && RUN_SETS+=(--set "metrics.peak_flops=$GPU_CHECK_PEAK_FLOPS")
 # Extra trainer settings for every trainer step, e.g. GPU_CHECK_SET='optim.fused=true' to measure a
 # change against a run without it (space-separated KEY=VALUE).
 for setting in ${GPU_CHECK_SET:-}; do
   [[ $setting == *=* ]] || die_usage "GPU_CHECK_SET: '$setting' is not KEY=VALUE (e.g. GPU_CHECK_SET='optim.fused=true')"
-  SETS+=(--set "$setting")
+  RUN_SETS+=(--set "$setting")
 done
+SETS=(--set "training.global_batch_size=$BATCH" "${RUN_SETS[@]}")
 BASE=(--config "$CONFIG" "${SETS[@]}")
 # finetune (trainer/configs/finetune.yaml) is the preset for Hugging Face models; synthetic tokens need no
 # tokenizer, and every activation is kept, as in torchtitan_llama1b (finetune checkpoints them).
@@ -199,6 +218,16 @@ llama_commands() {  # the hf_llama1b commands, for the current $WORK
 TITAN=(--training.steps "$N_LLAMA" --training.local_batch_size "$BATCH" --training.seq_len 2048)
 [[ $LLAMA_COMPILE == true ]] && TITAN+=(--compile.enable)
 TITAN_RUN=(-m torchtitan.train --module titan_llama1b --config llama3_2_1b)
+gpt_oss_commands() {  # the gpt_oss_layers commands, for the current $WORK
+  # The architecture the step writes (bench/gpu_check/gpt_oss_arch.py) and trains from: random weights, no
+  # download (the GPU machine has no network). Synthetic tokens, the sequence of the Llama-3.2-1B steps, the
+  # finetune preset's FULL_SHARD and activation checkpointing (as the gpt-oss presets train).
+  GPT_OSS_CONFIG=$WORK/gpt_oss_layers/model-config.json
+  GPT_OSS_MAKE=(--arch "$GPT_OSS_ARCH" --layers "$GPT_OSS_LAYERS" "${GPT_OSS_WIDTHS[@]}" --output "$GPT_OSS_CONFIG")
+  GPT_OSS_SETS=(--set "model.hf_config=$GPT_OSS_CONFIG" --set data.source=synthetic --set "data.seq_len=$LLAMA_SEQ"
+                --set "training.global_batch_size=$GPT_OSS_BATCH" "${RUN_SETS[@]}")
+  GPT_OSS=(--config finetune "${GPT_OSS_SETS[@]}" --steps "$N_GPT_OSS")
+}
 FLAT_LR=(--set optim.warmup_steps=0 --set optim.min_lr_ratio=1.0 --set optim.lr=3e-4)
 # The resume step's first half runs 2 steps past its checkpoint at step K_RESUME, so that async save is
 # staged while training goes on (on CUDA: the pinned copy on a side stream), and the second half
@@ -209,6 +238,7 @@ RESUME_FROM=step_$(printf '%08d' "$K_RESUME")
 OUT_DIR=${OUT_DIR%/}
 WORK=${GPU_CHECK_WORK:-$OUT_DIR/steps}
 llama_commands
+gpt_oss_commands
 
 plan_line() { printf '  %q' "$@"; echo; }
 if [[ $PLAN == 1 ]]; then
@@ -243,6 +273,11 @@ if [[ $PLAN == 1 ]]; then
           -- "${TITAN[@]}"
         plan_line "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 "${TITAN_RUN[@]}" \
           "${TITAN[@]}" --dump_folder "$WORK/torchtitan_llama1b/outputs" "(CUDA only)" ;;
+      gpt_oss_layers)
+        plan_line "$PY" bench/gpu_check/gpt_oss_arch.py "${GPT_OSS_MAKE[@]}"
+        plan_line "$PY" -m trainer --estimate finetune "${GPT_OSS_SETS[@]}" --world-size 1 --json
+        plan_line "$PY" bench/gpu_check/moe_paths.py --output "$WORK/gpt_oss_layers/moe_paths.json" \
+          -m trainer "${GPT_OSS[@]}" --metrics-file "$WORK/gpt_oss_layers/metrics.jsonl" ;;
     esac
   done
   exit 0
@@ -258,6 +293,7 @@ if ! mkdir -p "$OUT_DIR" "$WORK" 2>/dev/null || [[ ! -w $OUT_DIR || ! -w $WORK ]
 fi
 OUT_DIR=$(cd "$OUT_DIR" && pwd) WORK=$(cd "$WORK" && pwd)
 llama_commands
+gpt_oss_commands
 cd "$REPO" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 START=$SECONDS
@@ -515,6 +551,14 @@ step's options (check.json)"
   fi
   PYTHONPATH=$path:$PYTHONPATH sub run "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 \
     "${TITAN_RUN[@]}" "${TITAN[@]}" --dump_folder "$STEP_DIR/outputs"
+}
+
+step_gpt_oss_layers() {
+  sub make-config "$PY" bench/gpu_check/gpt_oss_arch.py "${GPT_OSS_MAKE[@]}" || return $?
+  # The estimator's figure for the same settings, beside the measured peak (the summary compares them).
+  sub estimate "$PY" -m trainer --estimate finetune "${GPT_OSS_SETS[@]}" --world-size 1 --json || return $?
+  sub run "$PY" bench/gpu_check/moe_paths.py --output "$STEP_DIR/moe_paths.json" \
+    -m trainer "${GPT_OSS[@]}" --metrics-file "$STEP_DIR/metrics.jsonl"
 }
 
 # --- main ------------------------------------------------------------------------------------------

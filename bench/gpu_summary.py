@@ -11,7 +11,8 @@ and the benchmarks' result JSON. Figures come from the metrics files: medians ov
 formula (trainer.config's flops_per_token) against the device's dense bf16 peak. torchtitan's figures
 come from its log lines (`step: N  loss: ...  tps: ...  mfu: ...%`), its MFU recomputed the same way
 for the shape its config resolved to (bench/gpu_check/titan_check.py), so the two trainers' Llama-3.2-1B
-figures compare one to one.
+figures compare one to one. The gpt-oss step's MFU counts the parameters a token uses (k of n experts),
+beside which path the experts ran by (bench/gpu_check/moe_paths.py) and the estimator's memory figure.
 
 Exit status: 0 when no step failed (passed or skipped), 1 when one failed, 2 when --work is unusable.
 """
@@ -27,7 +28,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ("bf16", "compile", "fp16", "resume", "throughput", "collectives", "hf_llama1b", "torchtitan_llama1b")
+STEPS = ("bf16", "compile", "fp16", "resume", "throughput", "collectives", "hf_llama1b", "torchtitan_llama1b",
+         "gpt_oss_layers")
 WARMUP_STEPS = 3
 MFU_TARGET = 0.40  # gpt-1b, seq 2048, compile, one H200
 THROUGHPUT_RATIO_TARGET = 0.9  # FSDP2 / DDP tokens/s (bench/trainer_throughput.py)
@@ -101,11 +103,15 @@ def error_line(log: Path) -> str | None:
     return lines[-1][:300] if lines else None
 
 
+ARCHITECTURE_KEYS = ("model.hf_dir=", "model.hf_config=")
+
+
 def run_config(argv: list[str], architecture: Path | None = None) -> dict:
     """Model figures of a trainer command (its --config, --set and flags) through the trainer's own
     config: FLOPs per token, tokens per step, sequence length. {} when the trainer cannot load. With
-    `architecture` (a config.json), a model.hf_dir setting is read as that architecture instead: the
-    figures need only the shape, and the model directory is not kept with the logs."""
+    `architecture` (a config.json), a model.hf_dir or model.hf_config setting is read as that architecture
+    instead: the figures need only the shape, and the model directory (or the step directory the run
+    wrote its config.json in) may not be where the logs are read."""
     if "-m" not in argv or "trainer" not in argv:
         return {}
     args = argv[argv.index("trainer") + 1:]
@@ -113,7 +119,7 @@ def run_config(argv: list[str], architecture: Path | None = None) -> dict:
     for flag, nxt in zip(args, [*args[1:], None], strict=True):
         if flag == "--config":
             config = nxt
-        elif flag == "--set" and nxt and architecture and nxt.startswith("model.hf_dir="):
+        elif flag == "--set" and nxt and architecture and nxt.startswith(ARCHITECTURE_KEYS):
             overrides.append(f"model.hf_config={architecture}")
         elif flag == "--set" and nxt:
             overrides.append(nxt)
@@ -131,13 +137,14 @@ def run_config(argv: list[str], architecture: Path | None = None) -> dict:
     return {"config": config, "seq_len": cfg.data.seq_len, "steps": cfg.training.steps,
             "tokens_per_step": cfg.training.global_batch_size * cfg.data.seq_len,
             "flops_per_token": cfg.model.flops_per_token(cfg.data.seq_len), "params": cfg.model.num_params,
+            "active_params": cfg.model.active_params,
             "compile": cfg.parallel.compile, "param_dtype": cfg.parallel.param_dtype,
             "peak_flops_override": cfg.metrics.peak_flops}
 
 
 def step_config(step_dir: Path) -> dict:
-    """run_config of a step's `run` command; a run that loaded model.hf_dir is read with the config.json
-    the step kept beside its logs (model-config.json)."""
+    """run_config of a step's `run` command; a run that loaded model.hf_dir or model.hf_config is read
+    with the config.json the step kept beside its logs (model-config.json)."""
     architecture = step_dir / "model-config.json"
     return run_config(read_args(step_dir / "run.args"), architecture if architecture.is_file() else None)
 
@@ -247,11 +254,12 @@ def analyse_training(step_dir: Path, out: dict, peak: float | None) -> tuple[dic
     return cfg, records
 
 
-def analyse_bf16(step_dir: Path, out: dict, peak: float | None, _ctx: dict) -> None:
+def analyse_bf16(step_dir: Path, out: dict, peak: float | None, _ctx: dict) -> list[dict]:
     _, records = analyse_training(step_dir, out, peak)
     bad = [r["step"] for r in records if not finite(value(r, "loss"))]
     if bad:
         fail(out, f"non-finite loss at steps {bad[:5]}")
+    return records
 
 
 def analyse_compile(step_dir: Path, out: dict, peak: float | None, ctx: dict) -> None:
@@ -397,6 +405,53 @@ def analyse_hf_llama1b(step_dir: Path, out: dict, peak: float | None, ctx: dict)
                   "the run did not go through model.hf_dir")
 
 
+# The gpt-oss shape of gpt_oss_layers' config.json, as the summary reports it.
+GPT_OSS_KEYS = ("num_hidden_layers", "layer_types", "hidden_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok",
+                "intermediate_size", "vocab_size", "sliding_window")
+
+
+def estimate_of(log: Path) -> dict | None:
+    """The `fsdp-train --estimate ... --json` object in a command's log (a warning may precede it)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    start = re.search(r"^\{", text, re.MULTILINE)
+    try:
+        return json.JSONDecoder().raw_decode(text, start.start())[0] if start else None
+    except ValueError:
+        return None
+
+
+def analyse_gpt_oss_layers(step_dir: Path, out: dict, peak: float | None, ctx: dict) -> None:
+    """The bf16 step's figures for a few blocks of gpt-oss at its real widths (MFU from the parameters a
+    token uses: trainer.config's flops_per_token counts k of the n experts), which path the experts ran by
+    (bench/gpu_check/moe_paths.py), their load, and the estimator's memory beside the measured peak."""
+    records = analyse_bf16(step_dir, out, peak, ctx)
+    arch = read_json(step_dir / "model-config.json") or {}
+    out["architecture"] = {key: arch.get(key) for key in GPT_OSS_KEYS}
+    estimated = estimate_of(step_dir / "estimate.log")
+    out["estimate_gib"] = estimated["total"] / 2**30 if estimated else None
+    # On CPU the trainer's memory figure is the process's resident size, not what the estimator counts.
+    if ctx["mode"] == "gpu" and out["estimate_gib"] and out.get("peak_mem_gib"):
+        out["estimate_over_peak"] = out["estimate_gib"] / out["peak_mem_gib"]
+    if out["status"] == "skipped":
+        return
+    if records:
+        out["expert_load_max_over_mean"] = records[-1].get("expert_load_max_over_mean")
+        out["router_aux_loss"] = records[-1].get("router_aux_loss")
+    paths = read_json(step_dir / "moe_paths.json")
+    if paths is None:
+        fail(out, "no moe_paths.json from bench/gpu_check/moe_paths.py: the experts' path is unknown")
+        return
+    grouped, looped = paths.get("grouped_calls", 0), paths.get("looped_calls", 0)
+    out.update(grouped_calls=grouped, looped_calls=looped,
+               experts_path={(True, False): "grouped GEMM", (False, True): "loop", (True, True): "both"}.get(
+                   (grouped > 0, looped > 0), "none"))
+    # trainer/moe.py takes torch._grouped_mm for CUDA tensors in bf16: the path this step is to measure.
+    if ctx["mode"] == "gpu" and out["config"].get("param_dtype") == "bf16" and looped:
+        fail(out, f"the experts ran as a loop ({looped} calls) on CUDA in bf16, where trainer/moe.py "
+                  "takes torch._grouped_mm")
+
+
 # torchtitan/components/metrics.py, MetricsProcessor.log: one line per logged step (log_freq 1 here).
 # `memory` is the peak reserved memory, `tps` tokens per second per device, `mfu` against torchtitan's
 # own peak table (N/A when quantised).
@@ -470,7 +525,8 @@ def analyse_torchtitan_llama1b(step_dir: Path, out: dict, peak: float | None, _c
 
 ANALYSERS = {"bf16": analyse_bf16, "compile": analyse_compile, "fp16": analyse_fp16,
              "resume": analyse_resume, "throughput": analyse_throughput, "collectives": analyse_collectives,
-             "hf_llama1b": analyse_hf_llama1b, "torchtitan_llama1b": analyse_torchtitan_llama1b}
+             "hf_llama1b": analyse_hf_llama1b, "torchtitan_llama1b": analyse_torchtitan_llama1b,
+             "gpt_oss_layers": analyse_gpt_oss_layers}
 
 
 def compare_llama1b(ours: dict, titan: dict) -> dict | None:
@@ -635,6 +691,13 @@ def markdown(summary: dict) -> str:
             figures.append(f"torchtitan {o['torchtitan_version']} on torch {o['torch_version']}"
                            + (f", its own MFU {o['mfu_torchtitan_reported']:.1%}"
                               if o.get("mfu_torchtitan_reported") is not None else ""))
+        if name == "gpt_oss_layers" and o.get("experts_path"):
+            arch, cfg = o["architecture"], o.get("config") or {}
+            figures.append(f"{arch['num_hidden_layers']} blocks x {arch['num_local_experts']} experts (top-"
+                           f"{arch['num_experts_per_tok']}), {_fmt(cfg.get('active_params'), ',')} of "
+                           f"{_fmt(cfg.get('params'), ',')} parameters active; experts by "
+                           f"{o['experts_path']} ({o['grouped_calls']} grouped, {o['looped_calls']} loop "
+                           f"calls); estimate {_fmt(o.get('estimate_gib'), '.2f')} GiB")
         if name == "collectives" and o.get("by_size"):
             figures.append(f"{o['backend']} x{o['world_size']}: " + ", ".join(
                 f"{r['size']} {r['busbw_gbps']:.1f} GB/s" for r in o["by_size"]))

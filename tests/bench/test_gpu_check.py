@@ -11,7 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-STEPS = ["bf16", "compile", "fp16", "resume", "throughput", "collectives", "hf_llama1b", "torchtitan_llama1b"]
+STEPS = ["bf16", "compile", "fp16", "resume", "throughput", "collectives", "hf_llama1b", "torchtitan_llama1b",
+         "gpt_oss_layers"]
 
 
 def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
@@ -34,6 +35,12 @@ def run(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProc
     (["--dry-run"], {"GPU_CHECK_SET": "optim.fused=true compile"},
      "GPU_CHECK_SET: 'compile' is not KEY=VALUE"),
     (["--dry-run"], {"GPU_CHECK_LLAMA1B_COMPILE": "yes"}, "GPU_CHECK_LLAMA1B_COMPILE='yes' must be 0"),
+    (["--plan"], {"GPU_CHECK_GPT_OSS_ARCH": "llama3-8b"},
+     "GPU_CHECK_GPT_OSS_ARCH='llama3-8b' is not a bundled gpt-oss architecture; use gpt-oss-20b"),
+    (["--plan"], {"GPU_CHECK_GPT_OSS_LAYERS": "0"},
+     "GPU_CHECK_GPT_OSS_LAYERS='0' must be a positive whole number"),
+    (["--plan"], {"GPU_CHECK_GPT_OSS_MICRO_BATCH": "four"},
+     "GPU_CHECK_GPT_OSS_MICRO_BATCH='four' must be a positive whole number"),
 ])
 def test_bad_arguments_are_refused_with_the_fix(args, env, message):
     result = run(*args, **env)
@@ -74,11 +81,12 @@ def test_extra_settings_reach_every_trainer_command(tmp_path):
     result = run("--plan", "--dry-run", "--out", str(tmp_path / "o"), GPU_CHECK_SET="optim.fused=true")
     assert result.returncode == 0, result.stderr
     trainer_lines = [line for line in result.stdout.splitlines() if "-m  trainer " in line]
-    # bf16, compile, fp16, the resume step's three runs, and hf_llama1b's run and the one-step run that
-    # makes its model directory: that one measures nothing and keeps the plain settings.
-    assert len(trainer_lines) == 8
+    # bf16, compile, fp16, the resume step's three runs, hf_llama1b's run and the one-step run that makes
+    # its model directory (that one measures nothing and keeps the plain settings), and gpt_oss_layers'
+    # estimate and run.
+    assert len(trainer_lines) == 10
     measured = [line for line in trainer_lines if "checkpoint.hf_export_dir" not in line]
-    assert len(measured) == 7 and all("--set  optim.fused=true" in line for line in measured)
+    assert len(measured) == 9 and all("--set  optim.fused=true" in line for line in measured)
 
 
 def test_gpu_plan_uses_the_1b_preset_in_bf16():
@@ -108,6 +116,34 @@ def test_gpu_plan_runs_both_llama1b_steps_on_the_same_shape_batch_and_sequence()
     assert "--module  titan_llama1b  --config  llama3_2_1b" in titan and "--nproc-per-node=1" in titan
     compiled = run("--plan", "--only", "hf_llama1b,torchtitan_llama1b", GPU_CHECK_LLAMA1B_COMPILE="1").stdout
     assert "parallel.compile=true" in compiled and compiled.count("--compile.enable") == 2
+
+
+def _sets(line: str) -> list[str]:
+    parts = line.split()
+    return [parts[i + 1] for i, part in enumerate(parts) if part == "--set"]
+
+
+@pytest.mark.parametrize(("env", "arch", "layers", "batch"), [
+    ({}, "gpt-oss-20b", "4", "4"),
+    ({"GPU_CHECK_GPT_OSS_ARCH": "gpt-oss-120b", "GPU_CHECK_GPT_OSS_LAYERS": "1",
+      "GPU_CHECK_GPT_OSS_MICRO_BATCH": "8"}, "gpt-oss-120b", "1", "8"),
+])
+def test_gpu_plan_trains_gpt_oss_blocks_from_the_config_it_writes(tmp_path, env, arch, layers, batch):
+    result = run("--plan", "--only", "gpt_oss_layers", "--out", str(tmp_path / "o"), **env)
+    assert result.returncode == 0, result.stderr
+    make, estimate, train = result.stdout.splitlines()[-3:]
+    config = tmp_path / "o" / "steps" / "gpt_oss_layers" / "model-config.json"
+    assert make.split()[1:] == ["bench/gpu_check/gpt_oss_arch.py", "--arch", arch, "--layers", layers,
+                                "--output", str(config)]  # the real widths: no --tiny
+    assert "-m  trainer  --estimate  finetune" in estimate and "--world-size  1  --json" in estimate
+    assert "bench/gpu_check/moe_paths.py  --output" in train and "-m  trainer  --config  finetune" in train
+    # The estimate is of exactly the settings the run trains with.
+    assert _sets(estimate) == _sets(train)
+    for part in (f"model.hf_config={config}", "data.source=synthetic", "data.seq_len=2048",
+                 f"training.global_batch_size={batch}", "training.gradient_accumulation=1",
+                 "distributed.device=cuda", "parallel.param_dtype=bf16", "parallel.reduce_dtype=fp32"):
+        assert part in _sets(train)
+    assert "--steps  20" in train
 
 
 @pytest.mark.skipif(bool(__import__("torch").version.cuda), reason="needs a CPU build of torch")
@@ -154,6 +190,35 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     with tarfile.open(out / "logs.tar.gz") as logs:
         names = logs.getnames()
     assert "./hf_llama1b/run.log" in names and not [n for n in names if n.startswith("./models")]
+    assert "./gpt_oss_layers/model-config.json" in names
+
+
+def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(tmp_path):
+    """The step's command path on CPU: the bundled gpt-oss-20b architecture cut to 4 blocks at tiny widths,
+    its estimate, and 5 steps through bench/gpu_check/moe_paths.py, summarised."""
+    out = tmp_path / "out"
+    result = run("--dry-run", "--only", "gpt_oss_layers", "--out", str(out), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    step = json.loads((out / "summary.json").read_text())["steps"]["gpt_oss_layers"]
+    assert step["status"] == "pass" and step["steps"] == 5 and step["median_tokens_per_s"] > 0
+    assert step["architecture"]["num_hidden_layers"] == 4 and step["architecture"]["num_local_experts"] == 8
+    # The loop on CPU: 5 steps x 4 blocks x (forward + its recomputation under activation checkpointing).
+    assert (step["experts_path"], step["looped_calls"]) == ("loop", 40)
+    assert step["config"]["active_params"] < step["config"]["params"] and step["estimate_gib"] > 0
+    written = json.loads((out / "steps" / "gpt_oss_layers" / "model-config.json").read_text())
+    assert written["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert written["rope_scaling"]["rope_type"] == "yarn" and written["model_type"] == "gpt_oss"
+
+
+def test_gpt_oss_layers_beyond_the_model_fail_the_step_with_the_fix(tmp_path):
+    out = tmp_path / "out"
+    result = run("--dry-run", "--only", "gpt_oss_layers", "--out", str(out), GPU_CHECK_GPT_OSS_LAYERS="25")
+    assert result.returncode == 1, result.stdout + result.stderr
+    step = json.loads((out / "summary.json").read_text())["steps"]["gpt_oss_layers"]
+    assert step["status"] == "fail"
+    assert ("make-config: exit 2 (error: --layers 25 is not 1..24, the blocks of this architecture)"
+            in step["reason"])
+    assert not (out / "steps" / "gpt_oss_layers" / "run.args").exists()  # nothing trained
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ def test_recorded_dry_run_passes_with_medians_from_its_metrics(gs, work):
     summary = gs.summarise(work)
     assert {name: s["status"] for name, s in summary["steps"].items()} == {
         **dict.fromkeys(gs.STEPS, "pass"), "torchtitan_llama1b": "skipped"}
-    assert summary["ok"] and summary["counts"] == {"pass": 7, "fail": 0, "skipped": 1}
+    assert summary["ok"] and summary["counts"] == {"pass": 8, "fail": 0, "skipped": 1}
     bf16 = summary["steps"]["bf16"]
     recs = records(work / "bf16" / "metrics.jsonl")
     expected = statistics.median(r["step_time_s"] for r in recs[gs.WARMUP_STEPS:])
@@ -384,3 +384,83 @@ def test_why_torchtitan_does_not_import(error, reason):
     titan_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(titan_check)  # standard library only until torchtitan is imported
     assert titan_check.import_failure(error, "2.11.0").startswith(reason)
+
+
+# --- the gpt-oss step ------------------------------------------------------------------------------
+
+def _gpt_oss_model(work: Path):
+    """The recorded gpt_oss_layers run's model, read by the trainer from the config.json the step wrote."""
+    return load_config("finetune", [f"model.hf_config={work / 'gpt_oss_layers' / 'model-config.json'}",
+                                    "data.seq_len=64", "data.source=synthetic"]).model
+
+
+def test_recorded_gpt_oss_layers_has_mfu_from_the_active_parameters(gs, work):
+    # The run wrote its config.json in a step directory that is gone: the one kept beside the logs is read.
+    args = work / "gpt_oss_layers" / "run.args"
+    args.write_text("".join(f"model.hf_config={work / 'no-such-dir' / 'model-config.json'}\n"
+                            if a.startswith("model.hf_config=") else f"{a}\n"
+                            for a in args_of(work, "gpt_oss_layers")))
+    step = gs.summarise(work, peak_override=1e12)["steps"]["gpt_oss_layers"]
+    assert step["status"] == "pass" and step["steps"] == 5
+    m = _gpt_oss_model(work)
+    assert (m.family, m.n_layers, m.n_experts, m.n_active_experts) == ("gpt_oss", 4, 8, 2)
+    assert m.expert_kind == "gpt_oss"
+    assert m.attention_sinks and m.sliding_layers == [0, 2] and m.rope_scaling.type == "yarn"
+    # Active: 2 of the 8 experts per block (each expert 3 x 64 x 64 weights plus its 2 x 64 + 64 biases).
+    expert = 3 * 64 * 64 + 2 * 64 + 64
+    assert step["config"]["params"] == m.num_params
+    assert step["config"]["params"] - step["config"]["active_params"] == 4 * (8 - 2) * expert
+    flops = 6 * (step["config"]["active_params"] - 512 * 64) + 6 * 4 * 4 * (2 * 16) * 64
+    assert step["config"]["flops_per_token"] == flops
+    recs = records(work / "gpt_oss_layers" / "metrics.jsonl")
+    step_time = statistics.median(r["step_time_s"] for r in recs[gs.WARMUP_STEPS:])
+    assert step["median_tokens_per_s"] == pytest.approx(4 * 64 / step_time)
+    assert step["mfu"] == pytest.approx(flops * step["median_tokens_per_s"] / 1e12)
+    assert step["peak_mem_bytes"] == max(r["max_mem_bytes"] for r in recs)
+    # On CPU the experts run as a loop: a forward and its recomputation (activation checkpointing) per
+    # block and step.
+    assert (step["experts_path"], step["grouped_calls"], step["looped_calls"]) == ("loop", 0, 5 * 4 * 2)
+    assert step["architecture"]["num_hidden_layers"] == 4 and step["architecture"]["layer_types"] == [
+        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert step["expert_load_max_over_mean"] == recs[-1]["expert_load_max_over_mean"]
+    estimated = json.loads((work / "gpt_oss_layers" / "estimate.log").read_text())
+    assert step["estimate_gib"] == estimated["total"] / 2**30
+    assert "estimate_over_peak" not in step  # a CPU run's memory is the process's resident size
+
+
+def _as_h200(work: Path) -> None:
+    env = json.loads((work / "env.json").read_text())
+    env.update(mode="gpu", gpu_names=["NVIDIA H200"], gpu_count=1)
+    (work / "env.json").write_text(json.dumps(env))
+
+
+def test_gpt_oss_layers_on_a_gpu_must_run_its_experts_by_grouped_gemm(gs, work):
+    _as_h200(work)
+    paths = work / "gpt_oss_layers" / "moe_paths.json"
+    step = gs.summarise(work)["steps"]["gpt_oss_layers"]
+    assert step["status"] == "fail"
+    assert step["reason"] == ("the experts ran as a loop (40 calls) on CUDA in bf16, where trainer/moe.py "
+                              "takes torch._grouped_mm")
+    paths.write_text(json.dumps({"grouped_calls": 40, "looped_calls": 0}))
+    summary = gs.summarise(work)
+    step = summary["steps"]["gpt_oss_layers"]
+    assert step["status"] == "pass" and step["experts_path"] == "grouped GEMM"
+    tokens_per_s = step["median_tokens_per_s"]
+    assert step["mfu"] == pytest.approx(step["config"]["flops_per_token"] * tokens_per_s / 989e12)
+    assert step["estimate_over_peak"] == pytest.approx(step["estimate_gib"] / step["peak_mem_gib"])
+    assert "experts by grouped GEMM (40 grouped, 0 loop calls)" in gs.markdown(summary)
+
+
+def test_gpt_oss_layers_without_its_expert_counts_fails(gs, work):
+    (work / "gpt_oss_layers" / "moe_paths.json").unlink()
+    step = gs.summarise(work)["steps"]["gpt_oss_layers"]
+    assert step["status"] == "fail" and "no moe_paths.json" in step["reason"]
+
+
+def test_estimate_after_a_warning_in_its_log(gs, tmp_path):
+    log = tmp_path / "estimate.log"
+    log.write_text('UserWarning: something\n{"total": 1073741824, "fits": null}\n')
+    assert gs.estimate_of(log) == {"total": 1073741824, "fits": None}
+    log.write_text("error: model.hf_config: ...\n")
+    assert gs.estimate_of(log) is None
+    assert gs.estimate_of(tmp_path / "none.log") is None
