@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
-HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 iputils-ping rsync
+HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 iputils-ping rsync shellcheck
 
 .PHONY: demo plan test lint host-packages clean gpu-check
 
@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[aws,ansible,report,trainer,tracking,test]'
 	touch $@
 
-# Local nodes need systemd-nspawn, debootstrap and an SSH client on the host.
+# Local nodes need systemd-nspawn, debootstrap and an SSH client on the host; the tests lint the
+# scripts fsdpctl runs on the nodes with shellcheck (tests/fsdpctl/test_script_templates.py).
 host-packages:
 	@missing=$$(for p in $(HOST_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \

@@ -41,6 +41,7 @@ from fsdpctl import remote
 from fsdpctl.checkout import REPO_ROOT
 from fsdpctl.console import stage
 from fsdpctl.errors import CommandError
+from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState, DeployRecord, resolve
 
 PROJECT_ROOT = REPO_ROOT
@@ -52,25 +53,6 @@ _WHEEL_SUFFIXES = {".py", ".yaml", ".json"}  # .json: bundled config.json archit
 WHEELHOUSE_LAYOUT = "wheelhouse/2: wheels + constraints.txt"
 PROBE_TIMEOUT_S = 30
 INSTALL_TIMEOUT_S = 900
-
-# One line of JSON per node: what the wheelhouse must match and whether torch can be reused.
-_PROBE = r"""python3 - <<'EOF'
-import json, os, platform, shutil, subprocess, sys
-try:
-    import torch
-    torch_version = torch.__version__
-except Exception:
-    torch_version = None
-gpus = 0
-if shutil.which("nvidia-smi"):
-    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    gpus = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-print(json.dumps({"python": "%d.%d" % sys.version_info[:2], "machine": platform.machine(),
-                  "glibc": platform.libc_ver()[1], "torch": torch_version, "gpus": gpus,
-                  "home": os.path.expanduser("~"),
-                  "venv_module": subprocess.run([sys.executable, "-c", "import ensurepip, venv"],
-                                                capture_output=True).returncode == 0}))
-EOF"""
 
 
 class DeployError(RuntimeError):
@@ -277,7 +259,8 @@ def active_ranks(state: ClusterState, ranks: list[int] | None = None) -> list[in
 def probe_nodes(state: ClusterState, ranks: list[int]) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     failures = []
-    answers = remote.run_all(state, _PROBE, ranks=ranks, timeout=PROBE_TIMEOUT_S, check=False)
+    answers = remote.run_all(state, render_script("templates/deploy_probe.sh.j2"), ranks=ranks,
+                             timeout=PROBE_TIMEOUT_S, check=False)
     for rank, proc in answers.items():
         try:
             if proc.returncode != 0:
@@ -309,45 +292,10 @@ def _common_platform(facts: dict[int, dict[str, Any]]) -> NodePlatform:
 
 def _install_script(bundle: Bundle, wheelhouse_dir: str, trainer_dir: str, venv: str,
                     torch_version: str) -> str:
-    """Idempotent: the venv records which wheelhouse and which trainer wheel it holds, and only what
-    changed is installed."""
-    q = shlex.quote
-    wheel = f"{trainer_dir}/{bundle.trainer_wheel}"
-    reuse_torch = (f"python3 -c 'import torch, sys; sys.exit(torch.__version__.split(\"+\")[0] != "
-                   f"\"{_public_version(torch_version)}\")' 2>/dev/null")
-    # An install that lost its operator (a SIGKILLed deploy) may still run on the node: the lock makes
-    # the next one wait for it. A venv is usable only once `.fsdp-venv` says it was made whole; one
-    # cut short (no pip yet) is made again.
-    return f"""set -e
-venv={q(venv)}
-wheelhouse={q(wheelhouse_dir)}
-mkdir -p "$(dirname "$venv")"
-exec 9>"$venv.lock"
-flock 9
-have_deps=$(cat "$venv/.fsdp-wheelhouse" 2>/dev/null || true)
-have_trainer=$(cat "$venv/.fsdp-trainer" 2>/dev/null || true)
-if [ "$have_deps" = {q(bundle.wheelhouse_key)} ] && [ "$have_trainer" = {q(bundle.trainer_key)} ]; then
-  echo "already installed"; exit 0
-fi
-if [ ! -f "$venv/.fsdp-venv" ]; then
-  rm -rf "$venv"
-  if {reuse_torch}; then flags=--system-site-packages; echo "reusing the node's torch"; else flags=; fi
-  python3 -m venv $flags "$venv"
-  touch "$venv/.fsdp-venv"
-  have_deps=
-fi
-install() {{ "$venv/bin/pip" install -q --no-compile --no-index "$@"; }}
-if [ "$have_deps" != {q(bundle.wheelhouse_key)} ]; then
-  install --find-links "$wheelhouse" -c "$wheelhouse/constraints.txt" {q(wheel)}
-  echo {q(bundle.wheelhouse_key)} > "$venv/.fsdp-wheelhouse"
-  what=installed
-else
-  what="trainer updated"
-fi
-install --no-deps --force-reinstall {q(wheel)}
-echo {q(bundle.trainer_key)} > "$venv/.fsdp-trainer"
-"$venv/bin/python" -c 'import torch, trainer; print("'"$what"': torch", torch.__version__)'
-"""
+    """The script that installs the bundle into `venv` on a node, or nothing that is there already."""
+    return render_script("templates/deploy_install.sh.j2", venv=venv, wheelhouse=wheelhouse_dir,
+                         wheel=f"{trainer_dir}/{bundle.trainer_wheel}", wheelhouse_key=bundle.wheelhouse_key,
+                         trainer_key=bundle.trainer_key, torch_version=_public_version(torch_version))
 
 
 def _upload(state: ClusterState, rank: int, local_dir: Path, remote_dir: str) -> str:

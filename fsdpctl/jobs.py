@@ -11,6 +11,7 @@ from typing import Any
 
 from fsdpctl import remote, slurm
 from fsdpctl.console import print_json, say
+from fsdpctl.scripts import render_script
 from fsdpctl.state import resolve
 
 
@@ -43,10 +44,8 @@ def cmd_logs(args: Namespace) -> int:
         result = slurm.run_slurm(state, f"cat {path} 2>/dev/null || echo '(no output yet)'")
         sys.stdout.write(result.stdout)
         return 0
-    # Follow until slurmctld no longer lists the job as pending, running or requeued.
-    command = (f"touch {path}; tail -n +1 -F {path} 2>/dev/null & t=$!; "
-               f"while squeue --noheader --jobs {job['job_id']} --states PD,R,CG,RQ,S --format %T "
-               f"2>/dev/null | grep -q .; do sleep 2; done; sleep 2; kill $t")
+    command = render_script("templates/follow_job_log.sh.j2", log_file=slurm.log_file(job),
+                            job_id=job["job_id"])
     sys.stdout.flush()
     return subprocess.call(remote.ssh_argv(state, remote.node_by_rank(state, slurm.slurm_rank(state)),
                                            command))

@@ -34,6 +34,7 @@ from fsdpctl import remote
 from fsdpctl.checks.context import nproc_per_node
 from fsdpctl.deploy import deployed_venv
 from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState
 
 REQUEUE_EXIT = 75
@@ -99,91 +100,8 @@ class TrainJob:
 
 def render_batch_script(job: TrainJob) -> str:
     """The sbatch script of a job: the batch part, and (with --node) the step each node runs."""
-    q = shlex.quote
-    gres = f"#SBATCH --gres=gpu:{job.gpus}\n" if job.gpus else ""
-    exports = "".join(f"export {k}={q(v)}\n" for k, v in sorted(job.env.items()))
-    return f"""#!/bin/bash
-# Written by `fsdpctl train` for job {job.name}; kept with its logs, metrics and checkpoints in
-# {job.job_dir}. Submitted with sbatch; each node's part of the step is this file run with --node.
-#SBATCH --job-name={job.name}
-#SBATCH --nodes={job.nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --exclusive
-#SBATCH --requeue
-#SBATCH --signal=B:USR1@{SIGNAL_LEAD_S}
-#SBATCH --open-mode=append
-#SBATCH --output={job.job_dir}/slurm-%j.out
-#SBATCH --chdir={job.job_dir}
-{gres}set -u
-JOB_DIR={q(job.job_dir)}
-VENV={q(job.venv)}
-NPROC_PER_NODE={job.nproc}
-RDZV_PORT={job.port}
-MAX_REQUEUES={job.max_requeues}
-REQUEUE_EXIT={REQUEUE_EXIT}  # slurm.conf RequeueExit (the slurm role's slurm_requeue_exit)
-TRAINER_ARGS=({" ".join(q(a) for a in job.trainer_args())})
-
-# The NCCL/libfabric environment of the nccl role, where it wrote one.
-if [ -r {NCCL_ENV_FILE} ]; then set -a; . {NCCL_ENV_FILE}; set +a; fi
-export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-1}}" TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-# An s3:// model.hf_dir (or data.path) is downloaded once per node, resumably, into this cache: the
-# node's NVMe scratch where the storage role made one, else the home directory.
-if [ -z "${{FSDP_MODEL_CACHE:-}}" ] && [ -d /scratch ] && [ -w /scratch ]; then
-    export FSDP_MODEL_CACHE=/scratch/fsdp-cluster/models
-fi
-{exports}
-log() {{ echo "[fsdpctl $(date -u +%H:%M:%S)] $*"; }}
-node_address() {{ scontrol show node "$1" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p'; }}
-
-node_main() {{
-    # One task per node: a torchrun agent, c10d rendezvous on the job's first node. The node's
-    # cluster address (not its host name) is advertised, and gloo binds to the interface carrying it.
-    local addr iface
-    addr=$(node_address "$SLURMD_NODENAME")
-    iface=$(ip -o -4 addr show | awk -v a="$addr" 'index($4, a "/") == 1 {{print $2; exit}}')
-    if [ -n "$iface" ]; then export GLOO_SOCKET_IFNAME="${{GLOO_SOCKET_IFNAME:-$iface}}"; fi
-    # torchrun's pid (exec keeps it); its children are the trainer workers.
-    echo $$ > "/tmp/fsdp-job-$SLURM_JOB_ID.agent"
-    # Slurm signals every process of the step; torchrun has no SIGUSR1 handler and would die of it,
-    # so it starts with SIGUSR1 ignored, and the trainer workers install their own handler.
-    trap '' USR1
-    exec "$VENV/bin/torchrun" --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC_PER_NODE" \\
-        --rdzv-backend c10d --rdzv-endpoint "$FSDP_HEAD_ADDR:$RDZV_PORT" \\
-        --rdzv-id "$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}" --local-addr "$addr" --max-restarts 0 \\
-        "${{TRAINER_ARGS[@]}}"
-}}
-
-batch_main() {{
-    local run=${{SLURM_RESTART_COUNT:-0}} step rc=0 signalled=""
-    FSDP_HEAD_ADDR=$(node_address "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)")
-    export FSDP_HEAD_ADDR
-    log "job $SLURM_JOB_ID run $run on $SLURM_JOB_NODELIST (rendezvous $FSDP_HEAD_ADDR:$RDZV_PORT)"
-    echo "running $run" > "$JOB_DIR/status"
-    # SIGUSR1 (time limit near, spot notice): the workers checkpoint and exit, then the job is requeued.
-    trap 'signalled=USR1; log "SIGUSR1: asking the workers to checkpoint"
-          scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
-    # SIGTERM (scancel): Slurm signals the workers itself; the job ends without a requeue.
-    trap 'signalled=TERM; log "SIGTERM: the job is cancelled"' TERM
-    srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash "$JOB_DIR/job.sbatch" --node &
-    step=$!
-    # wait returns early (status > 128) when a trap runs; wait again until the step has ended.
-    while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done
-    if [ "$signalled" = TERM ]; then
-        log "cancelled (step exit $rc)"; echo "cancelled $rc" > "$JOB_DIR/status"; exit 0
-    elif [ "$rc" -eq 0 ] && [ -z "$signalled" ]; then
-        log "completed"; echo "completed 0" > "$JOB_DIR/status"; exit 0
-    elif [ "$signalled" = USR1 ] || [ "$run" -lt "$MAX_REQUEUES" ]; then
-        log "step exit $rc${{signalled:+ after SIG$signalled}}: requeued (run $run, at most" \
-            "$MAX_REQUEUES requeues)"
-        echo "requeued $rc" > "$JOB_DIR/status"; exit "$REQUEUE_EXIT"
-    fi
-    log "step exit $rc after $run requeues: failed"; echo "failed $rc" > "$JOB_DIR/status"
-    [ "$rc" -eq "$REQUEUE_EXIT" ] && rc=1
-    exit "$rc"
-}}
-
-if [ "${{1:-}}" = --node ]; then node_main; else batch_main; fi
-"""
+    return render_script("templates/slurm_job.sbatch.j2", job=job, trainer_args=job.trainer_args(),
+                         requeue_exit=REQUEUE_EXIT, signal_lead_s=SIGNAL_LEAD_S, nccl_env_file=NCCL_ENV_FILE)
 
 
 def slurm_rank(state: ClusterState) -> int:
@@ -310,55 +228,11 @@ def submit_job(state: ClusterState, job: TrainJob) -> int:
     return job_id
 
 
-# One SSH round trip for `fsdpctl jobs`: every job directory's job.json, status and last metrics
-# line, merged with what slurmctld knows (squeue shows finished jobs for MinJobAge).
-_JOBS_PROBE = r"""python3 - <<'EOF' "$root"
-import glob, json, os, subprocess, sys
-root = sys.argv[1]
-queue = {}
-out = subprocess.run(["squeue", "--noheader", "--states=all", "--format=%i|%T|%D|%N|%r"],
-                     capture_output=True, text=True).stdout
-for line in out.splitlines():
-    parts = line.strip().split("|")
-    if len(parts) == 5:
-        queue[parts[0]] = {"state": parts[1], "node_count": parts[2], "node_list": parts[3],
-                           "reason": parts[4]}
-jobs = []
-for path in sorted(glob.glob(os.path.join(root, "*", "job.json"))):
-    try:
-        job = json.load(open(path))
-    except (OSError, ValueError):
-        continue
-    d = os.path.dirname(path)
-    try:
-        job["status"] = open(os.path.join(d, "status")).read().split()
-    except OSError:
-        job["status"] = []
-    last = None
-    try:
-        with open(os.path.join(d, "metrics.jsonl"), "rb") as f:
-            f.seek(max(0, os.path.getsize(f.name) - 65536))
-            for raw in f.read().splitlines():
-                try:
-                    row = json.loads(raw)
-                except ValueError:
-                    continue
-                if "step" in row and "event" not in row:
-                    last = row
-    except OSError:
-        pass
-    job["last"] = last
-    job["slurm"] = queue.get(str(job.get("job_id")))
-    jobs.append(job)
-print(json.dumps(jobs))
-EOF"""
-
-
 def list_jobs(state: ClusterState) -> list[dict[str, Any]]:
     """Every job `fsdpctl train` submitted on the cluster, oldest first: Slurm state, nodes, last step,
     loss and tokens/s (from its metrics file)."""
     root = jobs_root(state)
-    result = run_slurm(state, f"root={shlex.quote(root)}; {_JOBS_PROBE}", timeout=60)
+    result = run_slurm(state, render_script("templates/slurm_jobs_probe.sh.j2", root=root), timeout=60)
     rows = []
     for job in json.loads(result.stdout or "[]"):
         slurm, status, last = job.get("slurm") or {}, job.get("status") or [], job.get("last") or {}

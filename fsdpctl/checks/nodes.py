@@ -9,15 +9,12 @@ from typing import Any
 from fsdpctl import remote
 from fsdpctl.checks.context import CheckContext, CheckResult
 from fsdpctl.checks.torchrun import NODE_TIMEOUT_S
+from fsdpctl.scripts import render_script
 
-_INVENTORY_PROBE = r"""addr={address}
-iface=$(ip -o -4 addr show | awk -v a="$addr" '{{split($4, p, "/"); if (p[1] == a) print $2}}' | head -n1)
-echo "iface=$iface"
-echo "mtu=$(cat /sys/class/net/$iface/mtu 2>/dev/null)"
-if command -v nvidia-smi >/dev/null; then echo "gpus=$(nvidia-smi -L | grep -c '^GPU ')"
-else echo "gpus="; fi
-if [ -d /sys/class/infiniband ]; then echo "efa=$(ls /sys/class/infiniband | wc -l)"; else echo "efa="; fi
-"""
+
+def _inventory_probe(address: str) -> str:
+    """What a node reports about itself; `address` is its cluster address."""
+    return render_script("checks/templates/inventory_probe.sh.j2", address=address)
 
 
 def check_inventory(ctx: CheckContext, result: CheckResult) -> None:
@@ -27,7 +24,7 @@ def check_inventory(ctx: CheckContext, result: CheckResult) -> None:
     local = ctx.state.read().target == "local"
     problems, per_node = [], {}
     with ThreadPoolExecutor(max_workers=min(32, len(ctx.ranks))) as pool:
-        futures = {r: pool.submit(remote.run, ctx.state, r, _INVENTORY_PROBE.format(address=nodes[r].address),
+        futures = {r: pool.submit(remote.run, ctx.state, r, _inventory_probe(nodes[r].address),
                                   timeout=NODE_TIMEOUT_S, check=False) for r in ctx.ranks}
         answers = {r: f.result() for r, f in futures.items()}
     for rank, proc in sorted(answers.items()):

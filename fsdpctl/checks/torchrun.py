@@ -12,6 +12,7 @@ from typing import Any
 
 from fsdpctl import remote
 from fsdpctl.deploy import deployed_venv
+from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState
 
 NODE_TIMEOUT_S = 20
@@ -148,10 +149,7 @@ def stop_leftover_jobs(state: ClusterState, ranks: list[int]) -> dict[int, list[
     `fsdpctl smoke` cannot stop its job, whose agent still holds the rendezvous port. Only call it
     under the cluster's operation lock, when no other check can be running; returns the pid files
     found, by rank (an unreachable node is left to the inventory check to report)."""
-    # the agent stops its workers on SIGTERM; wait for it (it holds the port), then SIGKILL
-    script = (f"for f in {LEFTOVER_JOBS}; do [ -f \"$f\" ] || continue; echo \"$f\"; pid=$(cat \"$f\"); "
-              "kill -TERM $pid 2>/dev/null; for i in $(seq 50); do kill -0 $pid 2>/dev/null || break; "
-              "sleep 0.2; done; kill -KILL $pid 2>/dev/null; rm -f \"$f\"; done")
+    script = render_script("checks/templates/stop_leftover_jobs.sh.j2", pid_files=LEFTOVER_JOBS)
     results = remote.run_all(state, script, ranks=ranks, timeout=NODE_TIMEOUT_S, check=False)
     return {rank: proc.stdout.split() for rank, proc in results.items()
             if proc.returncode == 0 and proc.stdout.strip()}

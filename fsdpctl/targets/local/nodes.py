@@ -34,6 +34,7 @@ from fsdpctl.console import Out
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.processes import processes, signal_all
 from fsdpctl.remote import close_control_masters, run_all, ssh_options
+from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings
 from fsdpctl.targets.local import rootfs
 from fsdpctl.targets.local.host import require_host
@@ -264,13 +265,8 @@ def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, dead
                                    f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}") from None
             time.sleep(0.2)
     remaining = max(5.0, deadline - time.monotonic())
-    # A unit that failed while the host was loaded (seen: systemd-user-sessions on one of two nodes
-    # booting together in CI) gets one more start; what fails again is reported below.
     argv = ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address,
-            "systemctl is-system-running --wait >/dev/null; "
-            "failed=$(systemctl --failed --no-legend --plain | awk '{print $1}'); "
-            "if [ -n \"$failed\" ]; then systemctl reset-failed; systemctl start $failed; fi; "
-            "systemctl is-system-running; systemctl --failed --no-legend --plain"]
+            render_script("targets/local/templates/boot_settle.sh.j2")]
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=remaining)
     except subprocess.TimeoutExpired:
