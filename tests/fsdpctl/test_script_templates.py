@@ -199,3 +199,29 @@ def test_the_templates_ship_in_the_fsdpctl_wheel(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("fsdp_cluster-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"fsdpctl/{template}" for template, _, _ in CASES} <= names
+
+
+def test_only_failed_steps_count_against_the_requeue_limit(tmp_path):
+    """The batch script run here with stand-in srun/scontrol: Slurm's restart count also counts the
+    requeues of a lost node or a SIGUSR1 checkpoint, which must not use up MAX_REQUEUES; failed steps
+    do, and the one past the limit fails the job (issue 22: three notices and one crash failed it)."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    script = job_dir / "job.sbatch"
+    script.write_text(slurm.render_batch_script(_job(job_dir=str(job_dir), max_requeues=1)))
+    env = _fake_commands(tmp_path, srun=f"exit $(cat {tmp_path}/step_rc)", scancel="true",
+                         scontrol='case "$2" in hostnames) echo node0;; *) echo "NodeAddr=10.0.0.1 x";; esac')
+
+    def run(restart_count: int, step_rc: int) -> tuple[int, str]:
+        (tmp_path / "step_rc").write_text(str(step_rc))
+        proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                              env={**env, "SLURM_RESTART_COUNT": str(restart_count), "SLURM_JOB_ID": "7",
+                                   "SLURM_JOB_NODELIST": "node0", "SLURM_NNODES": "1"})
+        return proc.returncode, (job_dir / "status").read_text().strip()
+
+    # Run 2 (two requeues by Slurm, say lost nodes) fails: its first failed step, so it is requeued.
+    assert run(2, 1) == (slurm.REQUEUE_EXIT, "requeued 1")
+    assert (job_dir / "failures").read_text().strip() == "1"
+    # The next failure is past the limit of 1: the job fails with the step's status.
+    assert run(3, 1) == (1, "failed 1")
+    assert run(4, 0) == (0, "completed 0")
