@@ -15,7 +15,8 @@ watcher's `scancel --batch --signal=USR1`) and forwards it to the job's step wit
 is then requeued and resumes (`--resume auto`) wherever Slurm places it. `scancel` (and
 `fsdpctl cancel`) sends SIGTERM to every process of the job, which the trainer handles the same way;
 the job is not requeued. A training step that fails (a worker crashed, a node lost) ends the batch
-script with REQUEUE_EXIT, which slurm.conf's RequeueExit turns into a requeue, up to MAX_REQUEUES.
+script with REQUEUE_EXIT, which slurm.conf's RequeueExit turns into a requeue, up to MAX_REQUEUES
+failed steps (the job directory's `failures` file; checkpoint requeues and lost nodes do not count).
 """
 
 from __future__ import annotations
