@@ -134,6 +134,10 @@ def test_two_node_training_job_completes_and_loss_falls(cluster):
     home, env = cluster
     log = fsdpctl(home, "logs", str(job_id), env=env).stdout
     assert f"job {job_id} run 0 on {NAME}-node[0-1]" in log and log.rstrip().endswith("completed")
+    # The controller's job-completion log keeps the finished job (no accounting database).
+    completions = ssh(cluster, 0, "cat /var/log/slurm/jobcomp.log").stdout
+    assert any(f"JobId={job_id} " in line and "JobState=COMPLETED" in line
+               for line in completions.splitlines())
 
 
 def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(cluster, tmp_path):

@@ -100,6 +100,9 @@ def test_slurm_conf_from_inventory_and_hardware(p4d_node):
     assert settings["ProctrackType"] == "proctrack/cgroup"
     assert settings["TaskPlugin"] == "task/cgroup,task/affinity"
     assert settings["AuthType"] == "auth/munge" and settings["AuthInfo"] == "cred_expire=30"
+    assert settings["UnkillableStepTimeout"] == "180"
+    assert settings["JobCompType"] == "jobcomp/filetxt"
+    assert settings["JobCompLoc"] == "/var/log/slurm/jobcomp.log"
     nodes = [line for line in conf if line.startswith("NodeName=")]
     assert nodes[0] == (f"NodeName={hosts[0]} NodeAddr={address} CPUs=96 Boards=1 SocketsPerBoard=2 "
                         "CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1160000 Gres=gpu:8 State=UNKNOWN")
