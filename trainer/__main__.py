@@ -16,13 +16,21 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from trainer.checkpoint import CheckpointError
-from trainer.config import ConfigError, load_config, shipped_config_names
-from trainer.data import DataError
-from trainer.distributed import exit_process
-from trainer.estimate import GPU_MEMORY, estimate, report
-from trainer.hf.fetch import FetchError
-from trainer.train import train
+try:
+    from trainer.checkpoint import CheckpointError
+    from trainer.config import ConfigError, load_config, shipped_config_names
+    from trainer.data import DataError
+    from trainer.distributed import exit_process
+    from trainer.estimate import GPU_MEMORY, estimate, report
+    from trainer.hf.fetch import FetchError
+    from trainer.train import train
+except ModuleNotFoundError as missing:
+    # `pip install -e .` of the repository installs the operator tool without the trainer's packages.
+    if missing.name is None or missing.name.split(".")[0] == "trainer":
+        raise
+    sys.exit(f"error: fsdp-train needs the Python package {missing.name.split('.')[0]}, which is not "
+             "installed here. Fix: pip install -e '.[trainer]' in the repository (the nodes get it with "
+             "`fsdpctl deploy`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +74,8 @@ def run_estimate(args, parser: argparse.ArgumentParser) -> int:
         print(json.dumps({"config": args.estimate, **result.as_dict()}, indent=1))
     else:
         print("\n".join(report(args.estimate, result)))
-    return 0
+    # A config that does not fit the GPU asked about is a failed check, for scripts as for people.
+    return 1 if result.fits is False else 0
 
 
 FLAG_KEYS = {"steps": "training.steps", "seed": "training.seed", "checkpoint_dir": "checkpoint.dir",

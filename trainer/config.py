@@ -465,6 +465,11 @@ class TrainConfig(_Section):
                                     "is not divisible by training.gradient_accumulation="
                                     f"{self.training.gradient_accumulation}",
                                     "make global_batch_size a multiple of gradient_accumulation"))
+        if self.checkpoint.resume not in ("auto", "none") and self.checkpoint.dir is None:
+            problems.append(Problem("checkpoint.resume", self.checkpoint.resume,
+                                    "names a checkpoint to resume from, but checkpoint.dir is not set: "
+                                    "checkpointing is off, so the run would start fresh and save nothing",
+                                    "add --checkpoint-dir DIR (where this run writes its checkpoints)"))
         if self.checkpoint.hf_export_dir and self.model.n_experts and self.model.family == "gpt":
             problems.append(Problem("checkpoint.hf_export_dir", self.checkpoint.hf_export_dir,
                                     "asks for a Hugging Face export of the project's own model with experts "
@@ -570,6 +575,84 @@ def derive_layout(cfg: TrainConfig, world_size: int, local_world_size: int) -> L
     return Layout(world_size, replicate, shard, micro)
 
 
+MAX_YAML_VALUES = 100_000
+"""The most values a config may hold once its YAML aliases (`*name`) are expanded: a config holds a
+few hundred; a few hundred bytes of nested aliases can stand for billions, which validation and the
+error message would walk. (The cluster spec's reader has the same limit; the trainer shares no code
+with it.)"""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps
+    the last one silently, so `lr: 1e-4` then `lr: 3e-4` would train at 3e-4."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice (also on line {first_line[key] + 1}); "
+                        "keep one", key_node.start_mark)
+            except TypeError:
+                continue  # an unhashable key: the safe loader's own error names it
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expands_beyond(data: Any, limit: int) -> bool:
+    """Whether `data`, walked as validation walks it (a shared alias once per use), holds more than
+    `limit` values; stops at the limit."""
+    todo, count = [data], 0
+    while todo:
+        item = todo.pop()
+        count += 1
+        if count > limit:
+            return True
+        if isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            todo += item
+    return False
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text as data; yaml.YAMLError for bad syntax, a key given twice, or aliases expanding to
+    more than MAX_YAML_VALUES values."""
+    data = yaml.load(text, Loader=_StrictLoader)
+    if _expands_beyond(data, MAX_YAML_VALUES):
+        raise yaml.YAMLError(f"its aliases (*name) expand to more than {MAX_YAML_VALUES:,} values; write "
+                             "the values out, or repeat fewer of them")
+    return data
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """A config file's sections, or a ConfigError naming the file: unreadable, not text, not YAML, or
+    empty (every key at its default would train the default model, which nobody asks for by accident)."""
+    names = ", ".join(shipped_config_names())
+    try:
+        data = parse_yaml(path.read_text())
+    except UnicodeDecodeError:
+        raise ConfigError([Problem("--config", str(path), "is not a text file (not UTF-8 YAML)",
+                                   f"pass a trainer config YAML, or one of the shipped configs: {names}")],
+                          str(path)) from None
+    except OSError as e:
+        raise ConfigError([Problem("--config", str(path), f"cannot be read ({e.strerror})",
+                                   "check the path and its permissions")], str(path)) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([yaml_problem(str(path), e)], str(path)) from None
+    if data is None or data == {}:
+        default = ModelConfig().num_params / 1e6
+        raise ConfigError([Problem("--config", str(path),
+                                   f"is empty: every key at its default trains the default {default:,.0f}M-"
+                                   "parameter model", f"start from a shipped config ({names}), e.g. "
+                                   "--config tiny, or give at least the model section")], str(path))
+    return data
+
+
 def resolve_config(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
@@ -604,36 +687,74 @@ def parse_assignment(assignment: str) -> tuple[str, Any]:
         raise ConfigError([Problem("--set", assignment, "is not key=value",
                                    "write e.g. --set optim.lr=3e-4 --set parallel.strategy=HYBRID_SHARD")])
     # YAML typing, so numbers, booleans and null arrive as they would from the file.
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.strip(), parse_yaml(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError([Problem("--set", assignment, f"has a value that is not valid YAML ({e})",
+                                   "quote the value, e.g. --set data.path='a: b'")]) from None
 
 
-def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, info in model.model_fields.items():
-        keys.append(prefix + name)
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _known_keys(ann, f"{prefix}{name}.")
-    return keys
+# pydantic's error types, in the words of a config's author: (message, fix); {name} takes the error's
+# context (the bound, the allowed values). pydantic's own text names Python types and classes. (The
+# cluster spec words its errors the same way; the trainer shares no code with it.)
+_MAPPING = ("is not a section of keys", "write it as `key: value` lines indented under it{keys}")
+_WORDING = {
+    **dict.fromkeys(("model_type", "model_attributes_type", "dict_type", "mapping_type"), _MAPPING),
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float", "int_parsing_size"),
+                    ("is not a whole number", "write a whole number, without quotes")),
+    **dict.fromkeys(("float_type", "float_parsing", "finite_number"),
+                    ("is not a number", "write a number, without quotes (e.g. 3e-4)")),
+    **dict.fromkeys(("bool_type", "bool_parsing"), ("is not true or false", "write true or false")),
+    "string_type": ("is not text", "write it as text (in quotes where it would read as a number)"),
+    **dict.fromkeys(("list_type", "tuple_type", "set_type"),
+                    ("is not a list", "write it as a YAML list: `[a, b]` or one `- item` per line")),
+    **dict.fromkeys(("enum", "literal_error"), ("is not one of the allowed values", "use {expected}")),
+    "greater_than_equal": ("is below the minimum, {ge}", "use {ge} or more"),
+    "greater_than": ("must be more than {gt}", "use a value above {gt}"),
+    "less_than_equal": ("is above the maximum, {le}", "use {le} or less"),
+    "less_than": ("must be less than {lt}", "use a value below {lt}"),
+}
+
+
+def _section_keys(loc: tuple[Any, ...]) -> list[str] | None:
+    """The keys of the section at `loc` (() is the top), when it is a section of TrainConfig."""
+    model: type[BaseModel] = TrainConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        section = field.annotation if field is not None else None
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            return None
+        model = section
+    return list(model.model_fields)
 
 
 def _problems_from_validation(err: ValidationError) -> list[Problem]:
     problems = []
-    known = _known_keys(TrainConfig)
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(config)"
-        ctx_err = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, ConfigError):
-            problems.extend(ctx_err.problems)
+        loc = tuple(e["loc"])
+        key = ".".join(str(p) for p in loc) or "(config)"
+        ctx = e.get("ctx") or {}
+        if isinstance(ctx.get("error"), ConfigError):
+            problems.extend(ctx["error"].problems)
         elif e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(key, known, n=1)
-            fix = f"did you mean `{close[0]}`?" if close else f"remove it; the keys are listed in {DOCS}"
+            # The nearest key of the same section: `optim.lrr` is `optim.lr`, and `optim.foo` is no key.
+            section = ".".join(str(p) for p in loc[:-1])
+            keys = _section_keys(loc[:-1]) or []
+            close = difflib.get_close_matches(str(loc[-1]), keys, n=1)
+            fix = (f"did you mean `{'.'.join([*map(str, loc[:-1]), close[0]])}`?" if close else
+                   f"remove it; the keys of {section or 'a config'} are {', '.join(keys)}" if keys else
+                   f"remove it; the keys are listed in {DOCS}")
             problems.append(Problem(key, e.get("input"), "is not a known key", fix))
+        elif e["type"] in _WORDING:
+            message, fix = _WORDING[e["type"]]
+            keys = _section_keys(loc)
+            words = {**{k: str(v) for k, v in ctx.items()},
+                     "keys": f" (its keys: {', '.join(keys)})" if keys else ""}
+            problems.append(Problem(key, e.get("input"), message.format(**words), fix.format(**words)))
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            wanted = msg.removeprefix("Input should be ")
-            fix = f"make it {wanted}" if wanted != msg else f"give a valid value (see {DOCS})"
-            problems.append(Problem(key, e.get("input"), msg, fix))
+            problems.append(Problem(key, e.get("input"), msg.replace("Input should be", "must be"),
+                                    f"give a valid value (see {DOCS})"))
     return problems
 
 
@@ -705,10 +826,7 @@ def load_config(name_or_path: str, overrides: list[str] = (), values: dict[str, 
     """A shipped config name or YAML path, then `key=value` overrides (YAML-typed) in order, then
     already-typed `values` (the plain command-line flags)."""
     path = resolve_config(name_or_path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError([yaml_problem(str(path), e)], str(path)) from None
+    data = read_config_file(path)
     for assignment in overrides:
         assign(data, *parse_assignment(assignment))
     for key, value in (values or {}).items():

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from trainer import side_groups
 from trainer.config import DistributedConfig
+from trainer.errors import ConfigError, Problem
 
 
 @dataclass(frozen=True)
@@ -48,14 +49,27 @@ def launch_sizes() -> tuple[int, int]:
     return _env_int("WORLD_SIZE", 1), _env_int("LOCAL_WORLD_SIZE", 1)
 
 
+def check_cuda_device(local_rank: int) -> None:
+    """A ConfigError unless this rank has a CUDA device of its own (distributed.device cuda, or auto
+    where CUDA is visible): none at all, or fewer GPUs than ranks on the node."""
+    if not torch.cuda.is_available():
+        raise ConfigError([Problem(
+            "distributed.device", "cuda", "asks for a CUDA device, and none is visible to this process (no "
+            "GPU, no driver, or an empty CUDA_VISIBLE_DEVICES)",
+            "use distributed.device=auto (CPU and gloo where there is no GPU), or run on a GPU node")])
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError([Problem("LOCAL_RANK", local_rank, f"has no GPU of its own: the node shows {count}",
+                                   f"start at most {count} rank(s) per node (torchrun --nproc-per-node "
+                                   f"{count})")])
+
+
 def init_distributed(cfg: DistributedConfig) -> Runtime:
     world_size, local_world_size = launch_sizes()
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if use_cuda:
-        if not torch.cuda.is_available():
-            raise RuntimeError("distributed.device is cuda but no CUDA device is visible to this process; "
-                               "use distributed.device=auto (falls back to CPU + gloo) or check the driver")
+        check_cuda_device(local_rank)
         # A failed NCCL collective aborts the communicator and raises, instead of hanging the job.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         device = torch.device("cuda", local_rank)
