@@ -17,7 +17,15 @@ from pathlib import Path
 
 from fsdpctl import __version__
 from fsdpctl.console import error, say
-from fsdpctl.errors import EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, CommandError
+from fsdpctl.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    CommandError,
+    UsageError,
+    missing_package,
+)
 from infra.spec import SpecError
 
 # sub-command -> "module:function"; each function takes the parsed arguments and returns an exit code.
@@ -45,6 +53,10 @@ HANDLERS = {
     "demo": "fsdpctl.cli:cmd_demo",
     "completion": "fsdpctl.cli:cmd_completion",
 }
+# Commands that take the cluster's name first too (`fsdpctl down demo`, as `sky down NAME`): those
+# with no positional argument of their own.
+NAMED_FIRST = ("configure", "inventory", "deploy", "smoke", "scale-test", "monitor", "status", "down",
+               "extend", "jobs")
 TARGETS = ("aws", "local")
 SHELLS = ("bash", "zsh", "tcsh")
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
@@ -79,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     def cmd(name: str, help_text: str, cluster: bool = True) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text, epilog=_epilog(),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name in NAMED_FIRST:
+            sp.add_argument("cluster_name", nargs="?", metavar="NAME",
+                            help="the cluster to act on, as --cluster NAME")
         if cluster:
             sp.add_argument("--cluster", metavar="NAME",
                             help="the cluster to act on (default: the one brought up last; `fsdpctl list`)")
@@ -228,11 +243,25 @@ def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_named(args: argparse.Namespace) -> None:
+    """`fsdpctl down demo`: the positional NAME is --cluster NAME."""
+    name = getattr(args, "cluster_name", None)
+    if name is None:
+        return
+    if args.cluster is not None and args.cluster != name:
+        raise UsageError(f"NAME {name!r} and --cluster {args.cluster!r} name different clusters; give one of "
+                         f"them, e.g. `fsdpctl {args.command} {name}`")
+    args.cluster = name
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Every failure a user can cause ends here as one `fsdpctl COMMAND: ...` line on stderr and its
+    exit status (fsdpctl/errors.py): a CommandError, a bad spec, an optional package not installed."""
     args = build_parser().parse_args(argv)
-    module_name, func_name = HANDLERS[args.command].split(":")
-    handler = getattr(importlib.import_module(module_name), func_name)
     try:
+        _cluster_named(args)
+        module_name, func_name = HANDLERS[args.command].split(":")
+        handler = getattr(importlib.import_module(module_name), func_name)
         code = int(handler(args) or 0)
         sys.stdout.flush()
         return code
@@ -242,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     except CommandError as e:
         error(f"fsdpctl {args.command}: {e}")
         return e.exit_code
+    except ModuleNotFoundError as e:  # an extra not installed (`pip install -e .` alone), anywhere below
+        missing = missing_package(e)
+        if missing is None:
+            raise
+        error(f"fsdpctl {args.command}: {missing}")
+        return missing.exit_code
     except KeyboardInterrupt:
         error(f"fsdpctl {args.command}: interrupted")
         return EXIT_INTERRUPTED

@@ -27,7 +27,7 @@ import yaml
 from fsdpctl import state as state_mod
 from fsdpctl.checkout import ANSIBLE_DIR
 from fsdpctl.console import Out, line_buffered, say
-from fsdpctl.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UsageError
+from fsdpctl.errors import EXIT_INTERRUPTED, EXIT_OK, CommandError, UsageError
 from fsdpctl.inventory import write_inventory
 from fsdpctl.processes import processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes
@@ -299,8 +299,7 @@ def cmd_configure(args: Namespace) -> int:
         if not result.failures:  # Ansible stopped before any task (playbook or inventory error)
             say(f"ansible-playbook exited {result.rc} ({result.status}); its last output:\n"
                 f"{result.output_tail}")
-        say(f"configure failed; fix the cause and run `fsdpctl configure` again (it is idempotent). "
-            f"Full log: {result.run_dir / 'artifacts'}")
-        return EXIT_FAILED
+        raise CommandError(f"the playbook failed; fix the cause and run `fsdpctl configure` again (it is "
+                           f"idempotent). Full log: {result.run_dir / 'artifacts'}")
     say(f"configure ok on {len(result.hosts)} host(s)")
     return EXIT_OK

@@ -48,18 +48,18 @@ def line_buffered() -> None:
         sys.stdout.reconfigure(line_buffering=True)
 
 
-def confirm(question: str, *, yes: bool, what: str) -> None:
+def confirm(question: str, *, yes: bool) -> None:
     """Ask `question` on the terminal unless `yes` (the command's --yes). Without a terminal the
     answer is no, and the error says to pass --yes; a no stops the command before anything is done.
-    `what` names the command for those messages, e.g. "fsdpctl down"."""
+    The CLI puts the command's name before either message."""
     if yes:
         return
     if not sys.stdin.isatty():
-        raise UsageError(f"{what} asks before it goes on ({question}), but there is no terminal to ask "
-                         "on: run it again with --yes to go ahead")
+        raise UsageError(f"this needs a yes to {question!r}, and there is no terminal to ask on: run it "
+                         "again with --yes to go ahead")
     try:
         answer = input(f"{question} [y/N] ").strip().lower()
     except EOFError:
         answer = ""
     if answer not in ("y", "yes"):
-        raise CommandError(f"{what}: not confirmed; nothing was done")
+        raise CommandError("not confirmed; nothing was done")

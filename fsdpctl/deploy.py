@@ -55,8 +55,8 @@ PROBE_TIMEOUT_S = 30
 INSTALL_TIMEOUT_S = 900
 
 
-class DeployError(RuntimeError):
-    pass
+class DeployError(CommandError):
+    """Building, uploading or installing the trainer failed, or it is not deployed yet."""
 
 
 def cache_root() -> Path:

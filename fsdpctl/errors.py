@@ -7,6 +7,9 @@ with the command, and the exit status below (also in `fsdpctl --help` and docs/c
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and what it did or checked failed (a smoke check, pulumi up, ...)
 EXIT_USAGE = 2  # bad arguments, a bad spec, an unknown cluster: nothing was done
@@ -37,3 +40,39 @@ class UsageError(CommandError):
 class StateError(UsageError):
     """The cluster's state is missing, unreadable or of another version; the message says how to
     repair it."""
+
+
+class MissingPackage(UsageError):
+    """An optional Python package the command needs is not installed; the message names the extra of
+    fsdp-cluster that installs it."""
+
+
+PROJECT_PACKAGES = ("fsdpctl", "infra", "trainer")
+# Modules that come with a package the extras list rather than with one of their own name.
+_INSTALLED_WITH = {"botocore": "boto3", "s3transfer": "boto3", "mlflow": "mlflow-skinny", "yaml": "PyYAML"}
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def missing_package(error: ModuleNotFoundError) -> MissingPackage | None:
+    """What to install for an import that failed (a plain `pip install -e .` installs no extra), from
+    fsdp-cluster's own requirements (pyproject.toml); None for a module that is the project's own or
+    that no requirement provides (a bug, not a missing install)."""
+    module = (error.name or "").split(".")[0]
+    if not module or module in PROJECT_PACKAGES:
+        return None
+    wanted = _normalized(_INSTALLED_WITH.get(module, module))
+    try:
+        requirements = importlib.metadata.requires("fsdp-cluster") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement)
+        if name and _normalized(name.group(0)) == wanted:
+            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)['\"]", requirement)
+            install = f"pip install -e '.[{extra.group(1)}]'" if extra else "pip install -e ."
+            return MissingPackage(f"the Python package {name.group(0)} is not installed here (import "
+                                  f"{module} failed); install it with `{install}` in the repository")
+    return None

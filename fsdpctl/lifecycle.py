@@ -20,7 +20,7 @@ from fsdpctl import state as state_mod
 from fsdpctl import targets
 from fsdpctl.configure import stop_orphaned_playbooks
 from fsdpctl.console import confirm, line_buffered, print_json, say, warn
-from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.errors import CommandError, UsageError, missing_package
 from fsdpctl.inventory import write_inventory
 from fsdpctl.plan.cost import amount_text
 from fsdpctl.state import ClusterRecord, ClusterState, Exclusion
@@ -98,7 +98,7 @@ def cmd_up(args: Namespace) -> int:
             existing = False
 
         def approve(question: str) -> None:
-            confirm(question, yes=args.yes, what="fsdpctl up")
+            confirm(question, yes=args.yes)
             if existing:  # the cluster's spec copy (what extend, replace and down read) changes on a yes
                 state_mod.write_kept(state.spec_path, args.spec.read_text())
                 state.update(node_count=node_count)
@@ -127,7 +127,7 @@ def cmd_down(args: Namespace) -> int:
         target = targets.get(record.target)
         lines = "\n".join(f"  - {line}" for line in target.destruction(state, spec))
         say(f"fsdpctl down destroys cluster {state.name} ({record.target}):\n{lines}")
-        confirm(f"Destroy cluster {state.name}?", yes=args.yes, what="fsdpctl down")
+        confirm(f"Destroy cluster {state.name}?", yes=args.yes)
         stop_orphaned_playbooks(state)  # a killed configure's playbook must not outlive its nodes
         target.down(state, spec, force=args.force, out=say)
         state.remove()
@@ -179,12 +179,31 @@ def _hourly(summary: dict[str, Any]) -> str:
     return "unknown" if summary["cost_recorded"] else "-"
 
 
+def _live_health(state: ClusterState, record: ClusterRecord) -> tuple[list[str] | None, str | None]:
+    """(what makes the cluster unusable, None) from the target's live check; (None, why) where it could
+    not be asked (no AWS credentials, AWS refused, the aws extra not installed): `status` still shows
+    everything the state file knows."""
+    if not record.nodes:
+        return ["no nodes yet"], None
+    try:
+        return targets.get(record.target).health(state), None
+    except CommandError as e:
+        return None, str(e)
+    except ModuleNotFoundError as e:
+        missing = missing_package(e)
+        if missing is None:
+            raise
+        return None, str(missing)
+
+
 def cmd_status(args: Namespace) -> int:
     state = state_mod.resolve(args.cluster)
     record = state.read()
     summary = _summary(state, record)
-    problems = targets.get(record.target).health(state) if record.nodes else ["no nodes yet"]
-    summary.update(state_dir=str(state.root), shared_dir=record.shared_dir, health=problems or "ok",
+    problems, not_refreshed = _live_health(state, record)
+    health = "unknown" if problems is None else problems or "ok"
+    summary.update(state_dir=str(state.root), shared_dir=record.shared_dir, health=health,
+                   health_not_refreshed=not_refreshed,
                    node_list=[{**n.model_dump(), "excluded": n.rank in record.excluded_ranks()}
                               for n in record.nodes],
                    last_configure=record.last_configure.model_dump() if record.last_configure else None,
@@ -211,7 +230,10 @@ def cmd_status(args: Namespace) -> int:
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
     _print_nodes(record)
-    say("health: " + ("every node answers over SSH" if not problems else "; ".join(problems)))
+    if problems is None:
+        say(f"health: not refreshed ({not_refreshed}); the above is what the state file recorded")
+    else:
+        say("health: " + ("every node answers over SSH" if not problems else "; ".join(problems)))
     last = record.last_configure
     if last:
         say(f"last configure: {'ok' if last.ok else 'FAILED'} at {last.time} ({last.run_dir})")
@@ -314,7 +336,7 @@ def cmd_replace(args: Namespace) -> int:
     with state.operation(f"replace {args.rank}"):
         say(f"fsdpctl replace {args.rank}: {target.node_destruction(state, args.rank)}; a new "
             f"{node.name} takes its place")
-        confirm(f"Replace {node.name}?", yes=args.yes, what="fsdpctl replace")
+        confirm(f"Replace {node.name}?", yes=args.yes)
         started = time.monotonic()
         target.replace_node(state, spec, args.rank, out=say)
 
@@ -363,5 +385,5 @@ def cmd_extend(args: Namespace) -> int:
 
     with state.operation("extend"):
         stack.extend(state, state.spec(), hours=args.hours, out=say,
-                     approve=lambda question: confirm(question, yes=args.yes, what="fsdpctl extend"))
+                     approve=lambda question: confirm(question, yes=args.yes))
     return 0

@@ -22,6 +22,7 @@ from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.state import ClusterState, Node, SshSettings
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; a timed-out command reports it too
+SSH_FAILED = 255  # ssh's own exit status for an error (otherwise it passes on the command's)
 
 
 class RemoteCommandFailed(CommandError):
@@ -197,4 +198,9 @@ def cmd_ssh(args: Namespace) -> int:
     if not words:  # an interactive login: no command, and a terminal when we have one
         argv = [argv[0], *(["-t"] if sys.stdin.isatty() else []), *argv[1:-1]]
     sys.stdout.flush()
-    return subprocess.call(argv, env=os.environ)
+    code = subprocess.call(argv, env=os.environ)
+    if code == SSH_FAILED:
+        raise CommandError(f"ssh to {node.name} ({node.address}) exited {SSH_FAILED}: the connection failed "
+                           "(ssh's own message is above) or the command exited so; `fsdpctl status` checks "
+                           "every node")
+    return code

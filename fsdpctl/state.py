@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fsdpctl.errors import StateError, UsageError
 from infra.spec import ClusterSpec, SpecError, load_spec
+from infra.spec.problems import echo, problems_from_validation
 
 SCHEMA_VERSION = 1
 """The layout of state.json this fsdpctl writes; a newer one is refused, not misread."""
@@ -377,8 +378,8 @@ def _parse_record(text: str) -> ClusterRecord:
     try:
         return ClusterRecord.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
-        raise ValueError(f"has a bad {'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        first = problems_from_validation(e, ClusterRecord)[0]
+        raise ValueError(f"has a bad {first.field}: it {first.message} (got {echo(first.value)})") from None
 
 
 def _backup(path: Path) -> Path:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from dataclasses import dataclass
 from importlib import resources
 
@@ -72,6 +73,29 @@ def offerings() -> Offerings:
     data = yaml.safe_load(resources.files("infra").joinpath("data/offerings.yaml").read_text())
     return Offerings(as_of=str(data["as_of"]), source=str(data["source"]),
                      prices={t: dict(regions or {}) for t, regions in data["types"].items()})
+
+
+@dataclass(frozen=True)
+class Regions:
+    """The dated table of AWS regions and their zone letters (infra/data/regions.yaml)."""
+
+    as_of: str
+    last_zone: dict[str, str]  # region -> the last letter of its Availability Zone names
+
+    def zones(self, region: str) -> list[str]:
+        """The zone names a region may have (empty: not a known region)."""
+        last = self.last_zone.get(region)
+        return [] if last is None else [f"{region}{chr(c)}" for c in range(ord("a"), ord(last) + 1)]
+
+    def nearest(self, region: str) -> list[str]:
+        """The (at most two) known regions closest to a misspelt one, best first; may be empty."""
+        return difflib.get_close_matches(region, list(self.last_zone), n=2, cutoff=0.8)
+
+
+@functools.cache
+def regions() -> Regions:
+    data = yaml.safe_load(resources.files("infra").joinpath("data/regions.yaml").read_text())
+    return Regions(as_of=str(data["as_of"]), last_zone={r: str(z) for r, z in data["regions"].items()})
 
 
 def nearest_instance_types(name: str, limit: int = 3) -> list[str]:

@@ -10,11 +10,12 @@ from typing import Any
 from fsdpctl import remote
 from fsdpctl.checks.torchrun import TorchrunJob, stop_leftover_jobs
 from fsdpctl.console import Out, say
+from fsdpctl.errors import CommandError
 from fsdpctl.state import ClusterState
 from infra.spec import ClusterSpec
 
 
-class CheckError(RuntimeError):
+class CheckError(CommandError):
     """A check (or the set-up before the checks) could not run at all."""
 
 

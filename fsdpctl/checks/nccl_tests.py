@@ -21,6 +21,8 @@ import re
 import shlex
 from typing import Any
 
+from fsdpctl.errors import CommandError
+
 OPENMPI_DIR = "/opt/amazon/openmpi"
 ALL_REDUCE_PERF = "/opt/nccl-tests/build/all_reduce_perf"
 NCCL_ENVIRONMENT_FILE = "/etc/fsdp-cluster/nccl.env"
@@ -32,7 +34,7 @@ _AVERAGE = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*([0-9.]+)", re.MULTILINE)
 _TRAILING_FIGURES = 8
 
 
-class NcclTestsError(RuntimeError):
+class NcclTestsError(CommandError):
     """all_reduce_perf ran but its output shows no usable or wrong results."""
 
 

@@ -12,14 +12,14 @@ import json
 from typing import Any
 
 from fsdpctl.console import error, say
-from fsdpctl.errors import UsageError
-from fsdpctl.plan.cost import CostEstimate, CostLine, estimate_cost, load_prices
-from fsdpctl.plan.fit import memory_fit, render_fit
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.plan.cost import CostEstimate, CostLine, PriceTable, estimate_cost, load_prices
+from fsdpctl.plan.fit import memory_fit, misfit, render_fit
 from fsdpctl.plan.render import describe, render_json, render_summary, render_text
 from fsdpctl.plan.tokens import parse_mfu, parse_tokens, plan_tokens, render_tokens
 from infra.spec import load_spec
 
-__all__ = ["CostEstimate", "CostLine", "cmd_plan", "describe", "estimate_cost", "load_prices",
+__all__ = ["CostEstimate", "CostLine", "PriceTable", "cmd_plan", "describe", "estimate_cost", "load_prices",
            "render_json", "render_summary", "render_text"]
 
 
@@ -67,4 +67,7 @@ def cmd_plan(args: Any) -> int:
     else:
         say("\n".join([render_text(plan, cost), render_fit(fit),
                        *([] if training is None else [render_tokens(training)])]))
+    unfit = misfit(fit)
+    if unfit:  # the plan is printed in full; the run it is for would not start
+        raise CommandError(unfit)
     return 0

@@ -3,18 +3,22 @@ merged over it) applied to the recorded resource graph."""
 
 from __future__ import annotations
 
+import difflib
 from collections import Counter
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from fsdpctl.errors import UsageError
 from infra.catalog import CATALOG, offerings
+from infra.catalog import regions as catalog_regions
 from infra.offline import OfflinePlan, Registration
-from infra.spec import RANK_TAG, yaml_error_text
+from infra.spec import RANK_TAG, parse_yaml, yaml_error_text
+from infra.spec.problems import problems_from_validation
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -27,18 +31,70 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
     return merged
 
 
-OVERRIDE_KEY = "override_file"
-"""Set in a price table that a --prices file was merged into (the built-in table's age is then moot)."""
+Price = Annotated[float, Field(ge=0)]
+"""A price in the table's currency: 0 or more (a negative one would make a total of nothing)."""
 
 
-def load_prices(override: Path | None = None) -> dict[str, Any]:
+class _Prices(BaseModel):
+    # Every key of a price table is one the estimate reads: a misspelt one would be ignored silently.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _instance_type(name: str) -> str:
+    """An instance type a price is given for: a near miss of a catalog type is a typo (its price would
+    be ignored); other names are the bastion's and the like."""
+    near = difflib.get_close_matches(name, list(CATALOG), n=1, cutoff=0.85)
+    if name not in CATALOG and near:
+        raise ValueError(f"is not an instance type of the catalog; did you mean {near[0]}?")
+    return name
+
+
+class RegionPrices(_Prices):
+    """One region's prices (infra/data/prices.yaml, `regions.<region>`)."""
+
+    instance_hour: dict[Annotated[str, AfterValidator(_instance_type)], Price] = {}
+    nat_gateway_hour: Price | None = None
+    public_ipv4_hour: Price | None = None
+    ebs_gp3_gib_month: Price | None = None
+    fsx_lustre_gib_month: dict[str, dict[int | Literal["default"], Price]] = {}
+    """Per deployment type, per throughput tier (MB/s per TiB; `default` for a type with one tier)."""
+
+
+def _region(name: str) -> str:
+    known = catalog_regions()
+    if not known.zones(name):
+        near = known.nearest(name)
+        raise ValueError("is not an AWS region (infra/data/regions.yaml); "
+                         + (f"did you mean {' or '.join(near)}?" if near else "use e.g. us-east-1"))
+    return name
+
+
+class PriceTable(_Prices):
+    """The price table (infra/data/prices.yaml), with a --prices file merged over it."""
+
+    as_of: str = "unknown"
+    source: str = "unknown"
+    currency: str = "USD"
+    hours_per_month: float = Field(default=730, gt=0)
+    fallback_region: str | None = None
+    """Where NAT gateway, public IPv4, EBS and FSx prices come from for a region the table lacks."""
+    regions: dict[Annotated[str, AfterValidator(_region)], RegionPrices] = {}
+    _override_file: str | None = PrivateAttr(default=None)
+    """The --prices file merged into the built-in table (the built-in table's age is then moot)."""
+
+    @property
+    def override_file(self) -> str | None:
+        return self._override_file
+
+
+def load_prices(override: Path | None = None) -> PriceTable:
     """The built-in dated price table (infra/data/prices.yaml), with an optional override file
-    merged over it key by key."""
+    merged over it key by key. A key the table does not have, or a negative price, is refused."""
     table = yaml.safe_load(resources.files("infra").joinpath("data/prices.yaml").read_text())
     if override is None:
-        return table
+        return PriceTable.model_validate(table)
     try:
-        extra = yaml.safe_load(Path(override).read_text())
+        extra = parse_yaml(Path(override).read_text())
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read the price table {override} ({e}); fix the path or drop --prices") \
             from None
@@ -48,10 +104,16 @@ def load_prices(override: Path | None = None) -> dict[str, Any]:
     if not isinstance(extra, dict):
         raise UsageError(f"price table {override} must be a YAML mapping shaped like infra/data/prices.yaml")
     merged = _deep_merge(table, extra)
-    merged[OVERRIDE_KEY] = str(override)
     if "source" not in extra:
         merged["source"] = f"{table.get('source', 'built-in table')}, with {override} merged over it"
-    return merged
+    try:
+        prices = PriceTable.model_validate(merged)
+    except ValidationError as e:
+        problems = problems_from_validation(e, PriceTable, docs="infra/data/prices.yaml")
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise UsageError(f"price table {override} has {len(problems)} problem(s):\n{lines}") from None
+    prices._override_file = str(override)
+    return prices
 
 
 @dataclass
@@ -180,38 +242,27 @@ def _market_of(template: Registration, own_reservations: set[str] = frozenset())
     return "on-demand"
 
 
-def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
+def estimate_cost(plan: OfflinePlan, prices: PriceTable) -> CostEstimate:
     """Hourly cost of what the plan would create, read off the resource graph (not the spec), so
     the estimate prices exactly what `pulumi up` would build."""
     mocks, region = plan.mocks, plan.spec.region
-    regions = prices.get("regions") or {}
-    fallback = prices.get("fallback_region")
-    table = regions.get(region)
-    borrowed = ""
-    if table is None and fallback in regions:
+    own = prices.regions.get(region)
+    table, borrowed = own, ""
+    if own is None and prices.fallback_region in prices.regions:
         # Regions the offerings table covers but the service price list does not: the GPU price is
         # the region's own (offerings), NAT/IPv4/EBS/FSx are the fallback region's rates.
-        table, borrowed = regions[fallback], f"{fallback} rate; {region} may differ"
-    table = table or {}
-    hours_per_month = float(prices.get("hours_per_month", 730))
+        table = prices.regions[prices.fallback_region]
+        borrowed = f"{prices.fallback_region} rate; {region} may differ"
+    table = table or RegionPrices()
     region_offerings = {itype: hourly for itype, by_region in offerings().prices.items()
                         for r, hourly in by_region.items() if r == region and hourly is not None}
     small = {}  # the bastion's type at the fallback region's rate
     if borrowed:
-        small = {itype: hourly for itype, hourly in (table.get("instance_hour") or {}).items()
-                 if itype not in CATALOG}
-    instance_hour = {**small, **region_offerings, **(regions.get(region) or {}).get("instance_hour", {})}
+        small = {itype: hourly for itype, hourly in table.instance_hour.items() if itype not in CATALOG}
+    instance_hour = {**small, **region_offerings, **(own.instance_hour if own else {})}
     missing = f"not in the price table for {region}; pass --prices FILE"
-    currency = str(prices.get("currency", "USD"))
+    currency = prices.currency
     lines: list[CostLine] = []
-
-    def price(value: Any) -> float | None:
-        if value is None:
-            return None
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise UsageError(f"price table: {value!r} is not a number; fix the --prices file") from None
 
     ebs_gib = 0.0
     nodes_by_template = Counter()
@@ -226,7 +277,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 f"{itype} ({instance.name})",
                 1,
                 "instance-hour",
-                price(instance_hour.get(itype)),
+                instance_hour.get(itype),
                 (borrowed if itype in small else "") if itype in instance_hour else missing,
             )
         )
@@ -245,7 +296,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
             if max_price is not None:
                 cap, cap_source = float(max_price), "capacity.spot_max_price"
             else:
-                cap = price(instance_hour.get(itype))
+                cap = instance_hour.get(itype)
                 cap_source = "its on-demand price, EC2's default max price"
             bound = (f"; at most {cap:,.2f} {currency} per instance-hour, {cap_source}" if cap is not None
                      else f"; no bound: set capacity.spot_max_price, or pass --prices FILE with the "
@@ -276,7 +327,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
             if market == "capacity-reservation":
                 note = note or "reservations bill at the on-demand rate while active, used or not"
             lines.append(
-                CostLine(f"{itype} {market}", count, "instance-hour", price(instance_hour.get(itype)), note)
+                CostLine(f"{itype} {market}", count, "instance-hour", instance_hour.get(itype), note)
             )
     nat_count = len(mocks.of_type("aws:ec2/natGateway:NatGateway"))
     if nat_count:
@@ -285,7 +336,7 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 "NAT gateway",
                 nat_count,
                 "gateway-hour",
-                price(table.get("nat_gateway_hour")),
+                table.nat_gateway_hour,
                 "plus per-GB data processing" + (f" ({borrowed})" if borrowed else ""),
             )
         )
@@ -294,23 +345,23 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
     )
     if public_ips:
         lines.append(
-            CostLine("public IPv4 address", public_ips, "address-hour", price(table.get("public_ipv4_hour")),
+            CostLine("public IPv4 address", public_ips, "address-hour", table.public_ipv4_hour,
                      borrowed)
         )
     if ebs_gib:
-        gp3 = table.get("ebs_gp3_gib_month")
+        gp3 = table.ebs_gp3_gib_month
         lines.append(
             CostLine(
                 "EBS gp3 root volumes",
                 ebs_gib,
                 "GiB-hour",
-                None if gp3 is None else price(gp3) / hours_per_month,
+                None if gp3 is None else gp3 / prices.hours_per_month,
                 borrowed if gp3 is not None else missing,
             )
         )
     for lustre in mocks.of_type("aws:fsx/lustreFileSystem:LustreFileSystem"):
         dtype = lustre.inputs.get("deploymentType")
-        tiers = (table.get("fsx_lustre_gib_month") or {}).get(dtype) or {}
+        tiers = table.fsx_lustre_gib_month.get(dtype) or {}
         tput = lustre.inputs.get("perUnitStorageThroughput")
         tier = tiers.get(int(tput)) if tput is not None else tiers.get("default")
         gib = float(lustre.inputs.get("storageCapacity") or 0)
@@ -319,16 +370,16 @@ def estimate_cost(plan: OfflinePlan, prices: dict[str, Any]) -> CostEstimate:
                 f"FSx for Lustre {dtype}" + (f" {int(tput)} MB/s/TiB" if tput else ""),
                 gib,
                 "GiB-hour",
-                None if tier is None else price(tier) / hours_per_month,
+                None if tier is None else tier / prices.hours_per_month,
                 borrowed if tier is not None else missing,
             )
         )
     return CostEstimate(
         lines=lines,
-        as_of=str(prices.get("as_of", "unknown")),
-        source=str(prices.get("source", "unknown")),
+        as_of=prices.as_of,
+        source=prices.source,
         currency=currency,
-        overridden=OVERRIDE_KEY in prices,
+        overridden=prices.override_file is not None,
     )
 
 

@@ -78,7 +78,20 @@ def _fit_text(fit: dict[str, Any]) -> str:
             f"{fit['per_rank_gib']:.1f} GiB per GPU of {fit['usable_gib']:.1f} usable: ")
     if fit["fits"]:
         return line + "fits"
+    return line + f"does NOT fit; {_instead(fit)} (docs/trainer.md, the estimator)"
+
+
+def _instead(fit: dict[str, Any]) -> str:
     smallest = fit["smallest_fitting_world_size"]
-    return line + ("does NOT fit; " + (f"the smallest cluster that fits has {smallest} GPUs" if smallest
-                                       else "no cluster size fits as configured")
-                   + " (docs/trainer.md, the estimator)")
+    return (f"the smallest cluster that fits has {smallest} GPUs" if smallest
+            else "no cluster size fits as configured")
+
+
+def misfit(fit: dict[str, Any]) -> str | None:
+    """What `plan` fails with when the trainer config does not fit the planned GPUs; None when it fits
+    or was not computed."""
+    if fit.get("fits") is not False:
+        return None
+    return (f"trainer config {fit['config']} does not fit: it needs {fit['per_rank_gib']:.1f} GiB per GPU of "
+            f"{fit['usable_gib']:.1f} usable on {fit['world_size']} x {fit['gpu']}; {_instead(fit)}. Plan "
+            "more or larger GPUs, or change the config (docs/trainer.md, \"Will it fit?\")")

@@ -20,10 +20,10 @@ import bisect
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdpctl.errors import UsageError
-from fsdpctl.plan.cost import CostEstimate, amount_text, estimate_cost
+from fsdpctl.plan.cost import CostEstimate, PriceTable, amount_text, estimate_cost
 from fsdpctl.plan.fit import ESTIMATOR_GPUS, load_trainer_config, trainer_missing
 from fsdpctl.plan.render import WIDTH
 from infra.catalog import CATALOG, InstanceType, offerings
@@ -247,7 +247,7 @@ def _smallest_fit(sizes: _Sizes, instance: InstanceType, ranks_per_node: int) ->
     return reason
 
 
-def _priced(spec: ClusterSpec, instance_type: str, nodes: int, prices: dict[str, Any]) -> CostEstimate:
+def _priced(spec: ClusterSpec, instance_type: str, nodes: int, prices: PriceTable) -> CostEstimate:
     """The hourly cost of the spec with another instance type and node count: the Pulumi program run
     offline and priced as `fsdpctl plan` prices the spec."""
     from infra.offline import run_offline
@@ -258,7 +258,7 @@ def _priced(spec: ClusterSpec, instance_type: str, nodes: int, prices: dict[str,
     return estimate_cost(run_offline(candidate, expiry_time(candidate)), prices)
 
 
-def plan_tokens(spec: ClusterSpec, spec_cost: CostEstimate, prices: dict[str, Any], config: str, *,
+def plan_tokens(spec: ClusterSpec, spec_cost: CostEstimate, prices: PriceTable, config: str, *,
                 smoke_test_batch: bool, tokens: int, mfu_override: float | None
                 ) -> TokensPlan | TokensNotPlanned:
     """Hours and dollars for `tokens` tokens of `config` on the spec's cluster (priced by

@@ -20,7 +20,7 @@ from infra.spec.constants import (
     RANK_TAG,
     TAG_PREFIX,
 )
-from infra.spec.load import load_spec, parse_spec, yaml_error_text
+from infra.spec.load import MAX_YAML_VALUES, load_spec, parse_spec, parse_yaml, yaml_error_text
 from infra.spec.model import (
     Access,
     Capacity,
@@ -42,8 +42,8 @@ from infra.spec.rules import cross_field_problems
 
 __all__ = [
     "BASTION_SSM_PARAMETERS", "CLUSTER_TAG", "DEFAULT_DLAMI_PARAMETER", "EXPIRES_TAG", "FINAL_BACKUP_TAG",
-    "FSX_PERSISTENT_THROUGHPUTS", "PULUMI_CONFIG_KEY", "RANK_TAG", "TAG_PREFIX", "Access", "Capacity",
-    "CapacityType", "CheckpointBucket", "ClusterSpec", "Fsx", "FsxAtExpiry", "Image", "LocalTarget",
-    "Network", "PlacementGroup", "Problem", "Software", "SpecError", "Storage", "Trainer",
-    "cross_field_problems", "load_spec", "parse_spec", "yaml_error_text",
+    "FSX_PERSISTENT_THROUGHPUTS", "MAX_YAML_VALUES", "PULUMI_CONFIG_KEY", "RANK_TAG", "TAG_PREFIX", "Access",
+    "Capacity", "CapacityType", "CheckpointBucket", "ClusterSpec", "Fsx", "FsxAtExpiry", "Image",
+    "LocalTarget", "Network", "PlacementGroup", "Problem", "Software", "SpecError", "Storage", "Trainer",
+    "cross_field_problems", "load_spec", "parse_spec", "parse_yaml", "yaml_error_text",
 ]

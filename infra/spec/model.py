@@ -371,6 +371,11 @@ class ClusterSpec(_Model):
     def _region(cls, v: str) -> str:
         if not REGION_RE.match(v):
             raise ValueError("not an AWS region name; use e.g. us-east-1")
+        known = catalog.regions()
+        if not known.zones(v):
+            near = known.nearest(v)
+            raise ValueError(f"is not an AWS region (infra/data/regions.yaml, as of {known.as_of}); "
+                             + (f"did you mean {' or '.join(near)}?" if near else "use e.g. us-east-1"))
         return v
 
     @field_validator("instance_type")
@@ -395,11 +400,19 @@ class ClusterSpec(_Model):
     @field_validator("ssh_cidr")
     @classmethod
     def _ssh_cidr(cls, v: str) -> str:
+        # The security groups take it as an IPv4 rule (cidr_blocks); a bare address would silently be
+        # a /32, which is rarely what was meant when it is an office or VPN range.
+        if "/" not in v:
+            raise ValueError(f"has no prefix length; write the network with its length, e.g. {v}/32 for "
+                             "this one address or 203.0.113.0/24 for a range")
         try:
-            ipaddress.ip_network(v, strict=True)
+            net = ipaddress.ip_network(v, strict=True)
         except ValueError as e:
             raise ValueError(f"not a CIDR block ({e}); use your office/VPN range, e.g. 203.0.113.0/24"
                              ) from None
+        if net.version != 4:
+            raise ValueError("is an IPv6 network, and the security groups take SSH over IPv4; give your "
+                             "office/VPN range's IPv4 CIDR, e.g. 203.0.113.0/24")
         return v
 
     @field_validator("tags")

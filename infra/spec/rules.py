@@ -7,6 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from infra import catalog
 from infra.spec.constants import BASTION_SSM_PARAMETERS, FSX_PERSISTENT_THROUGHPUTS, REGION_RE
 from infra.spec.problems import Problem
 
@@ -21,11 +22,17 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
         return v if isinstance(v, Mapping) else {}
 
     region, az = data.get("region"), data.get("availability_zone")
-    if (isinstance(region, str) and isinstance(az, str) and REGION_RE.match(region)
-            and not re.fullmatch(re.escape(region) + r"[a-z]", az)):
-        problems.append(Problem(
-            "availability_zone", az, f"is not an availability zone of region {region}",
-            f"use {region} followed by a zone letter, e.g. {region}a, or change region"))
+    if isinstance(region, str) and isinstance(az, str) and REGION_RE.match(region):
+        zones = catalog.regions().zones(region)
+        if not re.fullmatch(re.escape(region) + r"[a-z]", az):
+            problems.append(Problem(
+                "availability_zone", az, f"is not an availability zone of region {region}",
+                f"use {region} followed by a zone letter, e.g. {region}a, or change region"))
+        elif zones and az not in zones:
+            problems.append(Problem(
+                "availability_zone", az, f"is not a zone of {region}, whose zones run from {zones[0]} to "
+                f"{zones[-1]} (infra/data/regions.yaml)",
+                f"use one of {', '.join(zones)}"))
 
     cidr = data.get("ssh_cidr")
     if isinstance(cidr, str) and not data.get("allow_ssh_from_anywhere"):

@@ -362,7 +362,7 @@ def test_up_shows_the_plan_or_the_diff_with_its_cost_and_creates_nothing_without
 
     def no(question):
         questions.append(question)
-        raise CommandError("fsdpctl up: not confirmed; nothing was done")
+        raise CommandError("not confirmed; nothing was done")
 
     with pytest.raises(CommandError, match="not confirmed"):
         stack.up(state, spec, node_count=spec.node_count, approve=no, out=lines.append)

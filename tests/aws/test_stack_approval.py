@@ -69,7 +69,7 @@ class SettingsFileStack(RecordingStack):
 
 
 def no(question: str) -> None:
-    raise CommandError("fsdpctl up: not confirmed; nothing was done")
+    raise CommandError("not confirmed; nothing was done")
 
 
 @pytest.fixture

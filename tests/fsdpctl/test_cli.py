@@ -103,14 +103,14 @@ def test_down_without_a_terminal_and_without_yes_destroys_nothing(home, tmp_path
 def test_confirm_asks_on_a_terminal_and_a_no_stops(monkeypatch):
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr("builtins.input", lambda prompt: "y")
-    console.confirm("Destroy?", yes=False, what="fsdpctl down")
+    console.confirm("Destroy?", yes=False)
     monkeypatch.setattr("builtins.input", lambda prompt: "")
     with pytest.raises(CommandError, match="not confirmed; nothing was done"):
-        console.confirm("Destroy?", yes=False, what="fsdpctl down")
+        console.confirm("Destroy?", yes=False)
     monkeypatch.setattr(sys.stdin, "isatty", lambda: False)
     with pytest.raises(UsageError, match="--yes"):
-        console.confirm("Destroy?", yes=False, what="fsdpctl down")
-    console.confirm("Destroy?", yes=True, what="fsdpctl down")  # --yes: no question at all
+        console.confirm("Destroy?", yes=False)
+    console.confirm("Destroy?", yes=True)  # --yes: no question at all
 
 
 def test_a_directory_or_bad_yaml_as_spec_is_a_one_line_error(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fsdpctl.cli import main
-from fsdpctl.plan import estimate_cost, load_prices, render_json, render_text
+from fsdpctl.plan import PriceTable, estimate_cost, load_prices, render_json, render_text
 from infra import offline
 from infra.spec import RANK_TAG
 from tests.infra.conftest import EXPIRES_AT, REPO, demo_data, plan_of
@@ -26,12 +26,12 @@ def write_spec(tmp_path, **overrides):
     return str(path)
 
 
-def demo_cost_per_hour(prices: dict) -> float:
+def demo_cost_per_hour(prices: PriceTable) -> float:
     """4 p4d nodes, NAT gateway, 2 public IPv4 (NAT, bastion), t3.micro bastion, 4x200+10 GiB gp3."""
-    region = prices["regions"]["us-east-1"]
-    return (4 * region["instance_hour"]["p4d.24xlarge"] + region["nat_gateway_hour"]
-            + 2 * region["public_ipv4_hour"] + region["instance_hour"]["t3.micro"]
-            + 810 * region["ebs_gp3_gib_month"] / prices["hours_per_month"])
+    region = prices.regions["us-east-1"]
+    return (4 * region.instance_hour["p4d.24xlarge"] + region.nat_gateway_hour
+            + 2 * region.public_ipv4_hour + region.instance_hour["t3.micro"]
+            + 810 * region.ebs_gp3_gib_month / prices.hours_per_month)
 
 
 def test_plan_text_shows_resources_by_component_warnings_and_cost(capsys):
@@ -84,7 +84,7 @@ def test_price_override_file_is_merged_over_the_built_in_table(tmp_path, capsys)
     nodes = next(line for line in cost["lines"] if line["item"] == "p4d.24xlarge on-demand")
     assert nodes["per_hour"] == 40.0
     nat = next(line for line in cost["lines"] if line["item"] == "NAT gateway")
-    assert nat["unit_price"] == load_prices()["regions"]["us-east-1"]["nat_gateway_hour"]
+    assert nat["unit_price"] == load_prices().regions["us-east-1"].nat_gateway_hour
 
 
 def test_spot_capacity_blocks_and_missing_regions_are_not_priced_as_on_demand():
@@ -106,7 +106,7 @@ def test_a_spot_total_is_a_cap_from_spot_max_price_or_the_on_demand_price_not_th
     price is not known in advance; what the nodes can cost is: at most the spot_max_price the launch
     template passes, else at most the on-demand price (EC2's default max price)."""
     prices = load_prices()
-    on_demand = prices["regions"]["us-east-1"]["instance_hour"]["p5.48xlarge"]
+    on_demand = prices.regions["us-east-1"].instance_hour["p5.48xlarge"]
     for capacity, cap in (({"type": "spot"}, on_demand), ({"type": "spot", "spot_max_price": 30.0}, 30.0)):
         plan = plan_of(instance_type="p5.48xlarge", capacity=capacity)
         cost = estimate_cost(plan, prices)
@@ -150,7 +150,7 @@ def test_every_region_of_the_offerings_table_is_priced():
     node_line = next(c for c in far.lines if "p4d" in c.item)
     assert node_line.unit_price == table.prices["p4d.24xlarge"]["ap-southeast-2"] == 28.54493
     nat = next(c for c in far.lines if c.item == "NAT gateway")
-    assert nat.unit_price == prices["regions"]["us-east-1"]["nat_gateway_hour"]
+    assert nat.unit_price == prices.regions["us-east-1"].nat_gateway_hour
     assert "us-east-1 rate; ap-southeast-2 may differ" in nat.note
     for itype, regions in table.prices.items():
         for region, hourly in regions.items():
@@ -175,8 +175,8 @@ def test_fsx_is_priced_per_gib_month_of_its_tier():
     prices = load_prices()
     plan = plan_of(storage={"fsx": {"enabled": True, "capacity_gib": 2400, "throughput_per_tib": 125}})
     line = next(c for c in estimate_cost(plan, prices).lines if c.item.startswith("FSx"))
-    per_gib_month = prices["regions"]["us-east-1"]["fsx_lustre_gib_month"]["PERSISTENT_2"][125]
-    assert line.per_hour == pytest.approx(2400 * per_gib_month / prices["hours_per_month"])
+    per_gib_month = prices.regions["us-east-1"].fsx_lustre_gib_month["PERSISTENT_2"][125]
+    assert line.per_hour == pytest.approx(2400 * per_gib_month / prices.hours_per_month)
 
 
 def test_plan_text_warns_about_reservations_and_old_prices(demo_plan):
@@ -277,10 +277,16 @@ def test_plan_shows_the_trainer_configs_memory_fit_on_the_planned_gpus(capsys):
     fit = " ".join(line.strip() for line in out[out.index("Memory fit"):].splitlines())
     assert re.fullmatch(r"Memory fit \(fsdp-train --estimate\): trainer config gpt-7b on 32 x a100-40gb "
                         r"needs [\d.]+ GiB per GPU of 36\.0 usable: fits", fit), fit
-    assert main(["plan", DEMO, "--json", "--trainer-config", "gpt-120b"]) == 0
-    fit = json.loads(capsys.readouterr().out)["memory_fit"]
+    # A config that does not fit fails the plan (exit 1) after printing all of it, with one line why.
+    assert main(["plan", DEMO, "--json", "--trainer-config", "gpt-120b"]) == 1
+    out, err = capsys.readouterr()
+    fit = json.loads(out)["memory_fit"]
     assert fit["config"] == "gpt-120b" and fit["world_size"] == 32 and fit["fits"] is False
     assert fit["per_rank_gib"] > fit["usable_gib"]
+    assert err.strip() == (f"fsdpctl plan: trainer config gpt-120b does not fit: it needs "
+                           f"{fit['per_rank_gib']:.1f} GiB per GPU of 36.0 usable on 32 x a100-40gb; no "
+                           "cluster size fits as configured. Plan more or larger GPUs, or change the config "
+                           "(docs/trainer.md, \"Will it fit?\")")
 
 
 def test_plan_warns_when_the_trainer_would_refuse_the_config_on_the_cluster(capsys):
@@ -308,7 +314,7 @@ def test_plan_fits_the_hugging_face_presets_with_their_variants(tmp_path, capsys
     fits one p5 node, 70B only with LoRA there."""
     spec = write_spec(tmp_path, instance_type="p5.48xlarge", node_count=1)
     for config, fits in (("llama3-8b", True), ("llama3-70b", False), ("llama3-70b-lora", True)):
-        assert main(["plan", spec, "--json", "--trainer-config", config]) == 0
+        assert main(["plan", spec, "--json", "--trainer-config", config]) == (0 if fits else 1)
         fit = json.loads(capsys.readouterr().out)["memory_fit"]
         assert (fit["config"], fit["world_size"], fit["gpu"], fit["fits"]) == (config, 8, "h100", fits)
 

@@ -52,12 +52,14 @@ def two_types(monkeypatch):
     monkeypatch.setattr(tokens_module, "CATALOG", {t: CATALOG[t] for t in ("p4d.24xlarge", "p5.48xlarge")})
 
 
-def plan(capsys, *args: str) -> tuple[dict, str]:
-    """The `training` section of `plan --json` and the text plan's block from "Training on"."""
-    assert main(["plan", *args, "--json"]) == 0
+def plan(capsys, *args: str, fits: bool = True) -> tuple[dict, str]:
+    """The `training` section of `plan --json` and the text plan's block from "Training on". A config
+    that does not fit the planned cluster fails the plan (exit 1), after printing all of it."""
+    assert main(["plan", *args, "--json"]) == (0 if fits else 1)
     training = json.loads(capsys.readouterr().out)["training"]
-    assert main(["plan", *args]) == 0
-    text = capsys.readouterr().out
+    assert main(["plan", *args]) == (0 if fits else 1)
+    text, err = capsys.readouterr()
+    assert fits or "does not fit: it needs" in err
     return training, text[text.index("Training on"):]
 
 
@@ -122,7 +124,7 @@ def test_a_cheaper_type_the_config_does_not_fit_is_not_chosen(tmp_path, capsys, 
         "training": {"global_batch_size": 8, "gradient_accumulation": 1}, "data": {"seq_len": 2048}})
     spec = write(tmp_path, "spec.yaml", demo_data(node_count=1))
     training, text = plan(capsys, spec, "--trainer-config", config, "--tokens", "1e9", "--prices",
-                          prices(tmp_path, p4d=1.0))
+                          prices(tmp_path, p4d=1.0), fits=False)
     (unfit,) = training["no_fit"]
     assert unfit["instance_type"] == "p4d.24xlarge"
     assert re.fullmatch(r"does not fit on up to 1 node \([\d.]+ GiB per a100-40gb of 36\.0 usable there\); "
@@ -246,7 +248,7 @@ def test_gpt_oss_120b_on_the_whole_catalog(capsys):
     """The docs' worked example: on 4 x p4d it does not fit; p4d fits nowhere (its 64 sequences per
     micro-step split over at most 8 nodes), p5e is not offered in us-east-1, and p5 is the cheapest."""
     training, text = plan(capsys, str(REPO / "examples" / "demo.yaml"), "--trainer-config", "gpt-oss-120b",
-                          "--tokens", "1e9")
+                          "--tokens", "1e9", fits=False)
     assert training["on_spec"] is None
     assert {u["instance_type"] for u in training["no_fit"]} == {"p4d.24xlarge", "p5e.48xlarge"}
     assert {r["instance_type"] for r in training["smallest_per_type"]} == {

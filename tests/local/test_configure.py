@@ -168,7 +168,7 @@ def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
     failed = result.stdout.split("\nFAILED\n", 1)[1]
     assert f"{NODES[1]}: task [network : " in failed
     assert NODES[0] not in failed
-    assert "configure failed" in result.stdout
+    assert "fsdpctl configure: the playbook failed" in result.stderr
 
 
 def test_a_limit_that_matches_no_node_is_an_error(first_run, cluster):

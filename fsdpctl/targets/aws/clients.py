@@ -10,6 +10,7 @@ from functools import cached_property
 
 import boto3
 import botocore.exceptions
+import botocore.session
 
 from fsdpctl.errors import UsageError
 from infra.spec import ClusterSpec
@@ -29,8 +30,14 @@ class AwsClients:
     def for_spec(cls, spec: ClusterSpec) -> AwsClients:
         """A bundle for the spec's region with verified credentials, or one UsageError saying how
         to provide them (not one error per check)."""
-        session = boto3.Session(region_name=spec.region)
-        if session.get_credentials() is None:
+        try:
+            session = boto3.Session(region_name=spec.region)
+            credentials = session.get_credentials()
+        except botocore.exceptions.ProfileNotFound as e:
+            raise UsageError(unknown_profile(e.kwargs.get("profile"))) from None
+        except botocore.exceptions.BotoCoreError as e:  # an SSO token expired, a credential process failed
+            raise UsageError(f"could not load AWS credentials ({e}); {CREDENTIALS_FIX}") from None
+        if credentials is None:
             raise UsageError(f"no AWS credentials found for region {spec.region}; {CREDENTIALS_FIX}")
         clients = cls(session)
         try:
@@ -85,6 +92,16 @@ class AwsClients:
     @cached_property
     def tagging(self):
         return self._client("resourcegroupstaggingapi")
+
+
+def unknown_profile(profile: str | None) -> str:
+    """The error for an AWS profile (AWS_PROFILE) that no config or credentials file defines, with the
+    profiles that are defined."""
+    known = sorted(botocore.session.Session().available_profiles)
+    return (f"AWS_PROFILE={profile!r} names no profile in ~/.aws/config or ~/.aws/credentials (or "
+            f"AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE); profiles there: {', '.join(known) or 'none'}. "
+            f"Fix: set AWS_PROFILE to one of them, or unset it, or create it with `aws configure --profile "
+            f"{profile}`")
 
 
 def error_code(e: botocore.exceptions.ClientError) -> str:

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import botocore.exceptions
 
-from fsdpctl.console import error, print_json, say, warn
-from fsdpctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+from fsdpctl.console import print_json, say, warn
+from fsdpctl.errors import EXIT_FAILED, EXIT_OK, CommandError, UsageError
 from fsdpctl.targets.aws import permissions
 from fsdpctl.targets.aws.clients import AwsClients, error_code, error_text
 from infra import catalog
@@ -587,9 +587,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if report.ok:
         say("\npre-flight passed: `fsdpctl up` can create this cluster")
         return EXIT_OK
-    error(f"\npre-flight failed, {len(report.findings)} problem(s); nothing was created:\n"
-          f"{report.failure_text()}")
-    return EXIT_FAILED
+    raise CommandError(f"pre-flight failed, {len(report.findings)} problem(s); nothing was created:\n"
+                       f"{report.failure_text()}")
 
 
 def print_policy(spec: ClusterSpec | None) -> int:

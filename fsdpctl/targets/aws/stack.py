@@ -622,7 +622,11 @@ def health(state: ClusterState) -> list[str]:
     nodes = record.active_nodes()
     ids = [n.instance_id for n in nodes if n.instance_id]
     states = {}
-    for reservation in aws.ec2.describe_instances(InstanceIds=ids).get("Reservations", []):
+    try:
+        reservations = aws.ec2.describe_instances(InstanceIds=ids).get("Reservations", [])
+    except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as e:
+        raise CommandError(f"EC2 did not say how the nodes are ({error_text(e)})") from None
+    for reservation in reservations:
         for instance in reservation["Instances"]:
             states[instance["InstanceId"]] = instance["State"]["Name"]
     problems = [f"{n.name}: instance {n.instance_id} is {states.get(n.instance_id, 'gone')}"
