@@ -85,9 +85,11 @@ def test_killed_worker_then_node_restart_and_reproduce_the_loss_curve(
         wait_until(lambda: reached(metrics, 4), agents, 180, "step 4")
         os.kill(int((pids / "1.pid").read_text()), signal.SIGKILL)
         wait_until(lambda: reached(metrics, 7), agents, 180, "step 7 after the restart")
-        # torchrun starts its workers in their own sessions: a dead node takes agent and worker
+        # torchrun starts its workers in their own sessions: a dead node takes agent and worker. The
+        # worker is found (as the agent's child) before the agent dies: after, it is reparented.
+        worker = worker_of(other, pids)
         os.killpg(other.pid, signal.SIGKILL)
-        os.kill(worker_of(other, pids), signal.SIGKILL)
+        os.kill(worker, signal.SIGKILL)
         other.wait()
         other = start_agent()  # the replacement node
         codes = [host.wait(timeout=240), other.wait(timeout=240)]
