@@ -37,6 +37,17 @@ def aws_env(monkeypatch, tmp_path):
         yield
 
 
+@pytest.fixture
+def no_credentials(monkeypatch, tmp_path):
+    """No AWS credentials anywhere boto3 looks: environment, files, instance and container metadata."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
 def seed_image(architecture: str, name: str) -> str:
     """An AMI with a given architecture (moto's register_image cannot set one)."""
     backend = ec2_backends[DEFAULT_ACCOUNT_ID][REGION]

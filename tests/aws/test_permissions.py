@@ -14,7 +14,6 @@ import re
 from pathlib import Path
 
 import boto3
-import pytest
 
 from fsdpctl import cli
 from fsdpctl.targets.aws import permissions, sweep
@@ -264,15 +263,6 @@ def test_simulation_covers_every_required_action():
                                        "arn:aws:iam::123456789012:role/pf-expiry-*")
     linked = [r.context_value for r in requests if r.context_key == "iam:AWSServiceName"]
     assert linked == list(permissions.SERVICE_LINKED_ROLE_SERVICES)
-
-
-@pytest.fixture
-def no_credentials(monkeypatch, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
 
 
 def test_print_policy_needs_no_credentials(no_credentials, capsys):

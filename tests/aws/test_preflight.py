@@ -263,14 +263,7 @@ def test_access_denied_fails_only_its_check(aws, dlami):
     assert "allow the GetServiceQuota action" in finding.fix
 
 
-def test_missing_credentials_is_one_clear_error(monkeypatch, tmp_path):
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", raising=False)
-    monkeypatch.delenv("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", raising=False)
+def test_missing_credentials_is_one_clear_error(no_credentials):
     with pytest.raises(CommandError, match="no AWS credentials found for region us-east-1; configure"):
         AwsClients.for_spec(make_spec())
 
