@@ -21,12 +21,12 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 from trainer.config import MetricsConfig
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError, Problem
 from trainer.metrics import current_memory_bytes
+from trainer.records import StepRecord
 
 MIB = 2**20
 # name -> help; every one is a gauge (the step is a gauge too: a restart from a checkpoint lowers it).
@@ -69,7 +69,7 @@ class RankMetrics:
                                        "empty")])
         return cls(cfg, runtime) if directory or cfg.fault_leak_mib_per_step else None
 
-    def after_step(self, records: list[dict[str, Any]]) -> None:
+    def after_step(self, records: list[StepRecord]) -> None:
         """After every step, with the records MetricsLogger.log_step wrote for it (none between log
         intervals: the file is rewritten at metrics.log_interval, from the newest record)."""
         if self.cfg.fault_leak_mib_per_step and self.runtime.rank == self.cfg.fault_leak_rank:
@@ -79,20 +79,20 @@ class RankMetrics:
         if records:
             self.update(records[-1])
 
-    def update(self, record: dict[str, Any]) -> None:
+    def update(self, record: StepRecord) -> None:
         """`record` is one of MetricsLogger.log_step's lines (global figures, this rank's memory)."""
         if self.path is None:
             return
         host_rss, device_memory = current_memory_bytes(self.runtime.device)
         values = {
-            "fsdp_trainer_step": record["step"],
-            "fsdp_trainer_loss": record["loss"],
-            "fsdp_trainer_tokens_per_second": record["tokens_per_s"],
-            "fsdp_trainer_rank_tokens_per_second": record["tokens_per_s"] / self.runtime.world_size,
-            "fsdp_trainer_mfu": record.get("mfu") or 0.0,
-            "fsdp_trainer_step_seconds": record["step_time_s"],
-            "fsdp_trainer_grad_sync_share": _or_nan(record.get("grad_sync_share")),
-            "fsdp_trainer_peak_memory_bytes": record["mem_bytes_per_rank"][self.runtime.rank],
+            "fsdp_trainer_step": record.step,
+            "fsdp_trainer_loss": record.loss,
+            "fsdp_trainer_tokens_per_second": record.tokens_per_s,
+            "fsdp_trainer_rank_tokens_per_second": record.tokens_per_s / self.runtime.world_size,
+            "fsdp_trainer_mfu": record.mfu or 0.0,
+            "fsdp_trainer_step_seconds": record.step_time_s,
+            "fsdp_trainer_grad_sync_share": _or_nan(record.grad_sync_share),
+            "fsdp_trainer_peak_memory_bytes": record.mem_bytes_per_rank[self.runtime.rank],
             "fsdp_trainer_host_rss_bytes": host_rss,
             "fsdp_trainer_device_memory_bytes": device_memory,
             "fsdp_trainer_last_update_seconds": time.time(),

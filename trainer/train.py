@@ -44,6 +44,7 @@ from trainer.model import Transformer, build_model
 from trainer.parallelize import DTYPES, build_mesh, parallelize, set_gradient_sync, sharding_report
 from trainer.preemption import StopSignal
 from trainer.prometheus import RankMetrics
+from trainer.records import SummaryRecord
 from trainer.tokenizer import Tokenizer
 from trainer.tracking import Tracker
 
@@ -211,7 +212,7 @@ def build_parallel_model(cfg: TrainConfig, runtime: Runtime, layout: Layout,
 
 
 def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_sharding: bool = False,
-        log: Callable[[str], None] = stderr_log) -> dict:
+        log: Callable[[str], None] = stderr_log) -> SummaryRecord:
     layout, source, eval_source = prepared.layout, prepared.source, prepared.eval_source
     main_log = log if runtime.is_main else (lambda _message: None)
     torch.manual_seed(cfg.training.seed)
@@ -245,8 +246,7 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
         tokens_per_step=cfg.training.global_batch_size * cfg.data.seq_len,
         samples_per_step=cfg.training.global_batch_size,
         flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
-        run_info={"strategy": str(cfg.parallel.strategy), "params": cfg.model.num_params}, hosts=hosts,
-        log=main_log)
+        strategy=str(cfg.parallel.strategy), params=cfg.model.num_params, hosts=hosts, log=main_log)
     rank_metrics = RankMetrics.create(cfg.metrics, runtime)  # Prometheus textfile (docs/monitoring.md)
     tracker = Tracker.create(cfg.tracking, metrics_file=cfg.metrics.file,
                              run_config=cfg.model_dump(mode="json"), is_main=runtime.is_main)
@@ -278,7 +278,7 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
                 rank_metrics.after_step(records)
             tracker.log(records)
             if validator and (step % cfg.eval.interval == 0 or final):
-                tracker.log([metrics.log_eval(step, validator.run(model).as_dict())])
+                tracker.log([metrics.log_eval(step, validator.run(model))])
                 comm_counter.take()  # the evaluation's all-gathers are no training step's traffic
             if stopped_by is not None:
                 _stop_for_signal(stopped_by, step, checkpoints, model, optimizer, extra, main_log)
@@ -293,9 +293,9 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
             rank_metrics.close()
     summary = metrics.close(stopped="signal" if stopped_by else "completed", signal_name=stopped_by)
     tracker.close(summary)
-    if summary["steps"]:
-        main_log(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-                 f"{summary['final_loss']:.4f}, {summary['tokens_per_s'] or 0:,.0f} tok/s"
+    if summary.steps:
+        main_log(f"done: {summary.steps} steps, loss {summary.first_loss:.4f} -> "
+                 f"{summary.final_loss:.4f}, {summary.tokens_per_s or 0:,.0f} tok/s"
                  + (f"; stopped for {stopped_by}" if stopped_by else ""))
     if cfg.checkpoint.hf_export_dir and stopped_by is None:
         export_trained(model, cfg, Path(cfg.checkpoint.hf_export_dir), main_log)
@@ -388,7 +388,7 @@ def prepare(cfg: TrainConfig, log: Callable[[str], None]) -> Prepared:
     return Prepared(layout, source, eval_source)
 
 
-def train(cfg: TrainConfig, *, print_sharding: bool = False) -> dict:
+def train(cfg: TrainConfig, *, print_sharding: bool = False) -> SummaryRecord:
     rank_zero = int(os.environ.get("RANK", "0")) == 0
     prepared = prepare(cfg, stderr_log if rank_zero else (lambda _message: None))
     runtime = init_distributed(cfg.distributed)

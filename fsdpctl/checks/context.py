@@ -1,40 +1,54 @@
 """What every check gets: the cluster, its spec, the ranks to run on, a run directory for logs and
-the report, a work directory on the nodes, and the figures earlier checks measured."""
+the report, a work directory on the nodes; and what every check returns, a frozen result.
+
+A check never changes the context or another check's result: `run_smoke` hands a later check what
+an earlier one measured as an argument (the monitoring check gets the fsdp check's run), and a new
+context where one changes (the inventory check's interfaces, `dataclasses.replace`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from fsdpctl import remote
+from fsdpctl.checks.errors import CheckError
 from fsdpctl.checks.torchrun import TorchrunJob, stop_leftover_jobs
 from fsdpctl.console import Out, say
-from fsdpctl.errors import CommandError
 from fsdpctl.state import ClusterState
 from infra.spec import ClusterSpec
 
+Status = Literal["pass", "fail", "skip"]
+CheckName = Literal["inventory", "bandwidth", "fsdp", "monitoring", "recovery"]
+"""The smoke test's checks, in the order they run."""
 
-class CheckError(CommandError):
-    """A check (or the set-up before the checks) could not run at all."""
+
+class Frozen(BaseModel):
+    """A check's result, or a part of one: frozen once made; unknown fields are refused (also when
+    report.json is read back). NaN and infinity are written as Python's json module writes them, so
+    a figure reads back as it was."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
-@dataclass
-class CheckResult:
-    name: str
-    status: str = "pass"  # pass | fail | skip
+class Details(Frozen):
+    """What a check measured, as the report shows it under the check. Each check's own type says
+    which check it is (`check`), so report.json reads back into the right one."""
+
+    check: CheckName
+
+
+class CheckResult(Frozen):
+    """What a check found: its verdict and one line on it. Each check's own result type narrows
+    `details` to its own and adds what later checks and the plots need."""
+
+    status: Status = "pass"
     summary: str = ""
-    duration_s: float = 0.0
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def fail(self, summary: str) -> CheckResult:
-        self.status, self.summary = "fail", summary
-        return self
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "summary": self.summary,
-                "duration_s": round(self.duration_s, 2), "details": self.details}
-
+    details: Details | None = None
+    """None where the check did not get as far as measuring."""
 
 
 def nproc_per_node(state: ClusterState, spec: ClusterSpec) -> int:
@@ -45,8 +59,7 @@ def nproc_per_node(state: ClusterState, spec: ClusterSpec) -> int:
     return spec.instance.gpus
 
 
-
-@dataclass
+@dataclass(frozen=True)
 class CheckContext:
     state: ClusterState
     spec: ClusterSpec
@@ -55,9 +68,8 @@ class CheckContext:
     work_dir: str  # on the nodes; shared when the cluster has a shared file system
     shared: bool
     steps: int
-    interfaces: dict[int, str] = field(default_factory=dict)
-    bandwidth: dict[str, Any] | None = None
-    training: dict[str, Any] = field(default_factory=dict)
+    interfaces: Mapping[int, str] = field(default_factory=dict)
+    """The cluster interface of each node (the inventory check finds them): gloo binds to it."""
     slurm: bool = False  # Slurm runs on the cluster: the training checks run as Slurm jobs
 
     @property
@@ -77,7 +89,7 @@ class CheckContext:
             **kwargs: Any) -> TorchrunJob:
         return TorchrunJob(self.state, ranks or self.ranks, module_args, nproc=self.nproc,
                            port=self.spec.trainer.master_port, log_dir=self.run_dir, name=name,
-                           interfaces=self.interfaces, **kwargs)
+                           interfaces=dict(self.interfaces), **kwargs)
 
 
 def check_context(state: ClusterState, kind: str, *, steps: int, out: Out = say) -> CheckContext:
@@ -95,4 +107,3 @@ def check_context(state: ClusterState, kind: str, *, steps: int, out: Out = say)
     return CheckContext(state=state, spec=state.spec(), ranks=ranks, run_dir=run_dir,
                         work_dir=f"{shared_dir or '/tmp'}/fsdp-cluster/{kind}/{run_dir.name}",
                         shared=bool(shared_dir), steps=steps)
-

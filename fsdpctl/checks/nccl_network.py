@@ -17,8 +17,7 @@ the instance has, and (between nodes) with GPUDirect RDMA on every network chann
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
 
 # What a torch run on GPU nodes is started with so its log shows the network NCCL chose.
 NCCL_DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
@@ -44,9 +43,6 @@ class NcclNetwork:
     gdr_channels: int = 0  # of them, with GPUDirect RDMA
     plugin_errors: list[str] = field(default_factory=list)
     ofi_warnings: list[str] = field(default_factory=list)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def parse_nccl_network(log: str) -> NcclNetwork:

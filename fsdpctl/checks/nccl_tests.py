@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Any
+from dataclasses import dataclass
 
 from fsdpctl.errors import CommandError
 
@@ -38,8 +38,17 @@ class NcclTestsError(CommandError):
     """all_reduce_perf ran but its output shows no usable or wrong results."""
 
 
-def parse_all_reduce_perf(text: str) -> list[dict[str, Any]]:
-    """The out-of-place figures per message size: `size_bytes`, `algbw_gbps`, `busbw_gbps` (GB/s).
+@dataclass(frozen=True)
+class AllReducePerfRow:
+    """all_reduce_perf's out-of-place figures for one message size."""
+
+    size_bytes: int
+    algbw_gbps: float
+    busbw_gbps: float
+
+
+def parse_all_reduce_perf(text: str) -> list[AllReducePerfRow]:
+    """The out-of-place figures per message size (GB/s).
 
     Raises NcclTestsError when no result row is found or any row reports wrong values (#wrong > 0).
     """
@@ -52,13 +61,14 @@ def parse_all_reduce_perf(text: str) -> list[dict[str, Any]]:
             continue  # MPI/NCCL messages between the rows
         _time, algbw, busbw, errors = fields[-_TRAILING_FIGURES:-_TRAILING_FIGURES + 4]
         try:
-            row = {"size_bytes": int(fields[0]), "algbw_gbps": float(algbw), "busbw_gbps": float(busbw)}
+            row = AllReducePerfRow(size_bytes=int(fields[0]), algbw_gbps=float(algbw),
+                                   busbw_gbps=float(busbw))
         except ValueError:
             continue
         in_place_errors = fields[-1]
         bad = [int(e) for e in (errors, in_place_errors) if e.isdigit() and int(e) > 0]
         if bad:
-            wrong.append(f"{row['size_bytes']} B: {max(bad)} wrong element(s)")
+            wrong.append(f"{row.size_bytes} B: {max(bad)} wrong element(s)")
         rows.append(row)
     if not rows:
         tail = "\n".join(text.strip().splitlines()[-15:])
@@ -107,10 +117,3 @@ def mpirun_command(hosts: list[str], gpus_per_node: int, binary: str = ALL_REDUC
                               [binary, "-b", min_bytes, "-e", max_bytes, "-f", 2, "-g", 1])
     return prefix + command
 
-
-def as_bandwidth_result(rows: list[dict[str, Any]], world_size: int) -> dict[str, Any]:
-    """The parsed rows in the shape of `trainer.collectives`' result, which the smoke report plots."""
-    return {"backend": "nccl-tests", "world_size": world_size,
-            "results": [{"bytes": r["size_bytes"], "algbw_gbps": r["algbw_gbps"],
-                         "busbw_gbps": r["busbw_gbps"]} for r in rows],
-            "peak_busbw_gbps": max(r["busbw_gbps"] for r in rows)}

@@ -1,15 +1,16 @@
 """Smoke-test reports: `report.json` (the data) and `report.html` (the same, with plots), plus the
 pass/fail table printed on the terminal.
 
-A report is a plain dict:
+A report is a `SmokeReport`, which `run_smoke` builds from the checks' results; report.json is its
+JSON (`read_report` reads it back):
 
     {"cluster": NAME, "target": "local"|"aws", "instance_type": ..., "nodes": N, "started_at": ISO,
      "passed": bool, "failed": [check names],
      "checks": [{"name", "status": "pass"|"fail"|"skip", "summary", "duration_s", "details"}],
-     "bandwidth": collectives result (trainer.collectives) or None,
-     "training": {"steps": [metrics lines], "per_rank": [{"rank", "max_mem_bytes"}],
-                  "window": [start, end] of the fsdp check (Unix time),
-                  "monitoring": Prometheus series of that window (fsdpctl/checks/monitoring.py)}}
+     "bandwidth": the all-reduce measurement (trainer.collectives or nccl-tests) or null,
+     "training": {"steps": [the fsdp run's step records], "summary": its summary record,
+                  "per_rank": [{"rank", "max_mem_bytes"}], "window": [start, end] of the fsdp check
+                  (Unix time), "monitoring": Prometheus series of that window}}
 
 The plots are drawn with matplotlib's Agg back end and embedded as base64 PNG, so the HTML file is
 self-contained (it can be copied off the operator machine or attached to a ticket).
@@ -20,14 +21,72 @@ from __future__ import annotations
 import base64
 import html
 import io
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from fsdpctl.checks.bandwidth import AllReduceMeasurement, BandwidthDetails
+from fsdpctl.checks.context import CheckName, Frozen, Status
+from fsdpctl.checks.monitoring import MonitoringDetails, MonitoringSeries, Points
+from fsdpctl.checks.nodes import InventoryDetails
+from fsdpctl.checks.training import FsdpDetails, RankPeakMemory, RecoveryDetails, Window
+from trainer.records import StepRecord, SummaryRecord
 
 STATUS_MARK = {"pass": "PASS", "fail": "FAIL", "skip": "SKIP"}
 PLOTS_MISSING = ("matplotlib is not installed: the report is written without plots (install the report "
                  "extra: pip install -e '.[report]')")
+REPORT_JSON, REPORT_HTML = "report.json", "report.html"
+
+CheckDetails = Annotated[
+    InventoryDetails | BandwidthDetails | FsdpDetails | MonitoringDetails | RecoveryDetails,
+    Field(discriminator="check")]
+
+
+class CheckEntry(Frozen):
+    """One check's line of the report."""
+
+    name: CheckName
+    status: Status
+    summary: str
+    duration_s: float
+    details: CheckDetails | None = None
+    """What the check measured (its own type, tagged `check`); none when it did not get that far."""
+
+
+class TrainingReport(Frozen):
+    """What the fsdp check trained, and the monitoring check's series of that window."""
+
+    steps: list[StepRecord] = []
+    summary: SummaryRecord | None = None
+    per_rank: list[RankPeakMemory] = []
+    window: Window | None = None
+    monitoring: MonitoringSeries | None = None
+
+
+class SmokeReport(Frozen):
+    cluster: str
+    target: str
+    instance_type: str
+    nodes: int
+    nproc_per_node: int
+    started_at: str
+    """ISO 8601 UTC."""
+    scheduler: Literal["slurm", "torchrun"]
+    """How the fsdp and recovery checks ran: as Slurm jobs, or torchrun agents started over SSH."""
+    passed: bool
+    failed: list[CheckName]
+    checks: list[CheckEntry]
+    bandwidth: AllReduceMeasurement | None = None
+    bandwidth_gate_gbps: float | None = None
+    training: TrainingReport = TrainingReport()
+    logs: str
+    """The run's directory: its logs, report.json and report.html."""
+
+    @property
+    def html_path(self) -> Path:
+        return Path(self.logs) / REPORT_HTML
 
 
 def plots_available() -> bool:
@@ -40,10 +99,9 @@ def plots_available() -> bool:
     return True
 
 
-def check_table(checks: Iterable[Mapping[str, Any]]) -> str:
+def check_table(checks: Iterable[CheckEntry]) -> str:
     """The fixed-width pass/fail table the smoke test prints."""
-    rows = [(c["name"], STATUS_MARK.get(c["status"], c["status"].upper()),
-             f"{c.get('duration_s', 0):.1f}s", c.get("summary", "")) for c in checks]
+    rows = [(c.name, STATUS_MARK[c.status], f"{c.duration_s:.1f}s", c.summary) for c in checks]
     head = ("check", "result", "time", "summary")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head[:3], widths, strict=True)) + "  " + head[3]]
@@ -53,7 +111,7 @@ def check_table(checks: Iterable[Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _figure_png(draw) -> str:
+def _figure_png(draw: Callable) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,28 +129,27 @@ def _figure_png(draw) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _bandwidth_plot(bandwidth: Mapping[str, Any], gate_gbps: float | None) -> str:
-    rows = bandwidth["results"]
+def _bandwidth_plot(bandwidth: AllReduceMeasurement, gate_gbps: float | None) -> str:
+    rows = bandwidth.results
 
     def draw(ax):
-        sizes = [r["bytes"] for r in rows]
-        ax.plot(sizes, [r["busbw_gbps"] for r in rows], marker="o", label="bus bandwidth")
-        ax.plot(sizes, [r["algbw_gbps"] for r in rows], marker=".", linestyle="--",
-                label="algorithm bandwidth")
+        sizes = [r.bytes for r in rows]
+        ax.plot(sizes, [r.busbw_gbps for r in rows], marker="o", label="bus bandwidth")
+        ax.plot(sizes, [r.algbw_gbps for r in rows], marker=".", linestyle="--", label="algorithm bandwidth")
         if gate_gbps is not None:
             ax.axhline(gate_gbps, color="red", linestyle=":", label=f"gate {gate_gbps:g} GB/s")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("GB/s")
-        ax.set_title(f"all-reduce, {bandwidth['world_size']} ranks, {bandwidth['backend']}")
+        ax.set_title(f"all-reduce, {bandwidth.world_size} ranks, {bandwidth.backend}")
         ax.legend()
 
     return _figure_png(draw)
 
 
-def _loss_plot(steps: list[Mapping[str, Any]]) -> str:
+def _loss_plot(steps: list[StepRecord]) -> str:
     def draw(ax):
-        ax.plot([s["step"] for s in steps], [s["loss"] for s in steps], marker=".")
+        ax.plot([s.step for s in steps], [s.loss for s in steps], marker=".")
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title("training loss")
@@ -100,10 +157,11 @@ def _loss_plot(steps: list[Mapping[str, Any]]) -> str:
     return _figure_png(draw)
 
 
-def _per_rank_plot(per_rank: list[Mapping[str, Any]], key: str, scale: float, ylabel: str, title: str) -> str:
+def _per_rank_plot(values: Mapping[int, float], scale: float, ylabel: str, title: str) -> str:
+    """A bar per rank."""
     def draw(ax):
-        ranks = [r["rank"] for r in per_rank]
-        ax.bar([str(r) for r in ranks], [r[key] / scale for r in per_rank])
+        ranks = sorted(values)
+        ax.bar([str(r) for r in ranks], [values[r] / scale for r in ranks])
         ax.set_xlabel("rank")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
@@ -111,7 +169,7 @@ def _per_rank_plot(per_rank: list[Mapping[str, Any]], key: str, scale: float, yl
     return _figure_png(draw)
 
 
-def _time_plot(series: Mapping[str, list[list[float]]], start: float, scale: float, ylabel: str, title: str,
+def _time_plot(series: Mapping[str, Points], start: float, scale: float, ylabel: str, title: str,
                lines: Mapping[str, float] | None = None) -> str:
     """One line per key over seconds since `start`; `lines`: dotted horizontal limits by label."""
     def draw(ax):
@@ -128,7 +186,7 @@ def _time_plot(series: Mapping[str, list[list[float]]], start: float, scale: flo
     return _figure_png(draw)
 
 
-def _step_plot(series: Mapping[str, list[list[float]]], scale: float, ylabel: str, title: str) -> str:
+def _step_plot(series: Mapping[str, Points], scale: float, ylabel: str, title: str) -> str:
     def draw(ax):
         for name, points in sorted(series.items()):
             ax.plot([x for x, _ in points], [v / scale for _, v in points], marker=".", label=name)
@@ -140,69 +198,64 @@ def _step_plot(series: Mapping[str, list[list[float]]], scale: float, ylabel: st
     return _figure_png(draw)
 
 
-def monitoring_plots(mon: Mapping[str, Any]) -> dict[str, str]:
+def monitoring_plots(mon: MonitoringSeries) -> dict[str, str]:
     """Utilisation, network and memory over time, and throughput measured on each rank, from the
-    monitoring check's Prometheus series (report["training"]["monitoring"])."""
+    monitoring check's Prometheus series (the report's training.monitoring)."""
     out: dict[str, str] = {}
-    start = (mon.get("window") or [0])[0]
-    util = {f"CPU {n}": p for n, p in (mon.get("cpu_util") or {}).items()}
-    util.update({f"GPU {n}": [[t, v / 100] for t, v in p] for n, p in (mon.get("gpu_util") or {}).items()})
+    start = mon.window[0]
+    util = {f"CPU {n}": p for n, p in mon.cpu_util.items()}
+    util.update({f"GPU {n}": [(t, v / 100) for t, v in p] for n, p in mon.gpu_util.items()})
     if util:
         out["Utilisation over time"] = _time_plot(util, start, 0.01, "%", "CPU (and GPU) utilisation")
-    net = {f"{n} {d}": p for d, by_node in (mon.get("network_bps") or {}).items() for n, p in by_node.items()}
+    net = {f"{n} {d}": p for d, by_node in mon.network_bps.items() for n, p in by_node.items()}
     if net:
-        links = {f"80% of {n}'s link": 0.8 * c for n, c in (mon.get("link_bps") or {}).items() if c}
+        links = {f"80% of {n}'s link": 0.8 * c for n, c in mon.link_bps.items() if c}
         out["Network over time"] = _time_plot(net, start, 1e9, "Gbit/s", "network (interfaces + EFA)",
                                               dict(list(links.items())[:1]))
-    if mon.get("memory"):
-        out["Memory per rank over steps"] = _step_plot(mon["memory"], 2**20, "MiB",
+    if mon.memory:
+        out["Memory per rank over steps"] = _step_plot(mon.memory, 2**20, "MiB",
                                                        "memory per rank (leak check)")
-    per_rank = mon.get("per_rank_tokens_per_s") or {}
-    if per_rank:
+    if mon.per_rank_tokens_per_s:
         out["Tokens/s measured on each rank"] = _per_rank_plot(
-            [{"rank": int(r), "tps": v} for r, v in sorted(per_rank.items(), key=lambda kv: int(kv[0]))],
-            "tps", 1.0, "tokens/s", "throughput measured on each rank")
+            {int(rank): tps for rank, tps in mon.per_rank_tokens_per_s.items()}, 1.0, "tokens/s",
+            "throughput measured on each rank")
     return out
 
 
-def plots(report: Mapping[str, Any]) -> dict[str, str]:
+def plots(report: SmokeReport) -> dict[str, str]:
     """Base64 PNGs by title, for whatever data the report holds."""
     out = {}
-    bandwidth = report.get("bandwidth")
-    if bandwidth and bandwidth.get("results"):
-        out["All-reduce bandwidth vs message size"] = _bandwidth_plot(
-            bandwidth, report.get("bandwidth_gate_gbps"))
-    training = report.get("training") or {}
-    steps = [s for s in training.get("steps", []) if "loss" in s]
-    if steps:
-        out["Loss"] = _loss_plot(steps)
-    per_rank = training.get("per_rank") or []
-    if any("max_mem_bytes" in r for r in per_rank):
-        out["Memory per rank"] = _per_rank_plot(
-            [r for r in per_rank if "max_mem_bytes" in r], "max_mem_bytes", 2**20, "MiB",
-            "peak memory per rank")
-    out.update(monitoring_plots(training.get("monitoring") or {}))
+    if report.bandwidth and report.bandwidth.results:
+        out["All-reduce bandwidth vs message size"] = _bandwidth_plot(report.bandwidth,
+                                                                      report.bandwidth_gate_gbps)
+    training = report.training
+    if training.steps:
+        out["Loss"] = _loss_plot(training.steps)
+    if training.per_rank:
+        out["Memory per rank"] = _per_rank_plot({r.rank: r.max_mem_bytes for r in training.per_rank}, 2**20,
+                                                "MiB", "peak memory per rank")
+    if training.monitoring:
+        out.update(monitoring_plots(training.monitoring))
     return out
 
 
-def render_html(report: Mapping[str, Any], *, with_plots: bool = True) -> str:
+def render_html(report: SmokeReport, *, with_plots: bool = True) -> str:
     esc = html.escape
-    verdict = "PASSED" if report.get("passed") else "FAILED: " + ", ".join(report.get("failed", []))
+    verdict = "PASSED" if report.passed else "FAILED: " + ", ".join(report.failed)
     rows = "\n".join(
-        f"<tr class='{esc(c['status'])}'><td>{esc(c['name'])}</td><td>{STATUS_MARK.get(c['status'], '')}</td>"
-        f"<td>{c.get('duration_s', 0):.1f} s</td><td>{esc(c.get('summary', ''))}</td></tr>"
-        for c in report.get("checks", []))
+        f"<tr class='{esc(c.status)}'><td>{esc(c.name)}</td><td>{STATUS_MARK[c.status]}</td>"
+        f"<td>{c.duration_s:.1f} s</td><td>{esc(c.summary)}</td></tr>" for c in report.checks)
     details = "\n".join(
-        f"<h3>{esc(c['name'])}</h3><pre>{esc(json.dumps(c.get('details', {}), indent=2, default=str))}</pre>"
-        for c in report.get("checks", []) if c.get("details"))
+        f"<h3>{esc(c.name)}</h3><pre>{esc(c.details.model_dump_json(indent=2, exclude={'check'}))}</pre>"
+        for c in report.checks if c.details)
     figures = "\n".join(
         f"<figure><img alt='{esc(title)}' src='data:image/png;base64,{png}'><figcaption>{esc(title)}"
         "</figcaption></figure>" for title, png in plots(report).items()) if with_plots \
         else f"<p>{esc(PLOTS_MISSING)}</p>"
-    meta = ", ".join(f"{k}: {esc(str(report[k]))}" for k in ("target", "instance_type", "nodes", "started_at")
-                     if k in report)
+    meta = (f"target: {esc(report.target)}, instance_type: {esc(report.instance_type)}, "
+            f"nodes: {report.nodes}, started_at: {esc(report.started_at)}")
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>Smoke test: {esc(str(report.get('cluster')))}</title>
+<html lang="en"><head><meta charset="utf-8"><title>Smoke test: {esc(report.cluster)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; }}
 table {{ border-collapse: collapse; }}
@@ -211,7 +264,7 @@ tr.pass td:nth-child(2) {{ color: #070; }} tr.fail td:nth-child(2) {{ color: #b0
 tr.skip td:nth-child(2) {{ color: #777; }} figure {{ display: inline-block; margin: 1em; }}
 pre {{ background: #f6f6f6; padding: 8px; overflow-x: auto; }}
 </style></head><body>
-<h1>Smoke test: {esc(str(report.get('cluster')))} &mdash; {esc(verdict)}</h1>
+<h1>Smoke test: {esc(report.cluster)} &mdash; {esc(verdict)}</h1>
 <p>{meta}</p>
 <table><tr><th>check</th><th>result</th><th>time</th><th>summary</th></tr>
 {rows}
@@ -224,11 +277,15 @@ pre {{ background: #f6f6f6; padding: 8px; overflow-x: auto; }}
 """
 
 
-def write_report(directory: Path, report: Mapping[str, Any], *,
-                 with_plots: bool = True) -> tuple[Path, Path]:
+def write_report(directory: Path, report: SmokeReport, *, with_plots: bool = True) -> tuple[Path, Path]:
     """Write report.json and report.html into `directory`; returns both paths."""
     directory.mkdir(parents=True, exist_ok=True)
-    json_path, html_path = directory / "report.json", directory / "report.html"
-    json_path.write_text(json.dumps(report, indent=2, default=str))
+    json_path, html_path = directory / REPORT_JSON, directory / REPORT_HTML
+    json_path.write_text(report.model_dump_json(indent=2))
     html_path.write_text(render_html(report, with_plots=with_plots))
     return json_path, html_path
+
+
+def read_report(path: Path) -> SmokeReport:
+    """A report.json back as the report it was written from."""
+    return SmokeReport.model_validate_json(path.read_text())

@@ -13,18 +13,20 @@ allocation). Results go to `scaling.json` and `scaling.png` in the run's directo
 
 from __future__ import annotations
 
-import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+
+from pydantic import ConfigDict, Field
 
 from fsdpctl import remote
 from fsdpctl.checks.batch import batch_settings, set_args
-from fsdpctl.checks.context import CheckContext, CheckError, CheckResult, check_context
+from fsdpctl.checks.context import CheckContext, CheckError, Frozen, check_context
 from fsdpctl.checks.nodes import check_inventory
 from fsdpctl.checks.report import PLOTS_MISSING, plots_available
-from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_jsonl, step_lines
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_metrics
 from fsdpctl.console import say, stage
 from fsdpctl.deploy import DeployError
 from fsdpctl.errors import CommandError, UsageError
@@ -42,6 +44,45 @@ STRONG_MICRO_BATCH_MAX = 512
 
 
 _log = stage("scale-test")
+
+
+class ScalingRun(Frozen):
+    """One run of the sweep: its size, the trainer's batch settings (by their `--set` names, as in
+    scaling.json), and its throughput after warm-up."""
+
+    model_config = ConfigDict(validate_by_name=True, serialize_by_alias=True)
+
+    nodes: int
+    ranks: int
+    steps: int
+    """Steps the run logged."""
+    global_batch_size: int = Field(alias="training.global_batch_size")
+    gradient_accumulation: int = Field(alias="training.gradient_accumulation")
+    micro_batch_size: int | None = Field(alias="training.micro_batch_size")
+    """None: the trainer derives it from the two above."""
+    tokens_per_s: float
+    """Mean over the steps after the first WARMUP_STEPS, all ranks together."""
+    step_time_s: float
+
+
+class ScalingMode(Frozen):
+    runs: list[ScalingRun]
+    efficiency: dict[str, float]
+    """E(k) by node count k (as text: JSON object keys)."""
+
+
+class ScalingResult(Frozen):
+    """scaling.json."""
+
+    cluster: str
+    nproc_per_node: int
+    steps: int
+    warmup_steps: int
+    node_counts: list[int]
+    measured_at: str
+    """ISO 8601 UTC."""
+    strong: ScalingMode
+    weak: ScalingMode
 
 
 def node_counts(n: int) -> list[int]:
@@ -80,7 +121,7 @@ def weak_settings(world_size: int) -> dict[str, int | None]:
 
 
 def _run(ctx: CheckContext, mode: str, k: int, steps: int, overrides: dict[str, int | None]
-         ) -> dict[str, Any]:
+         ) -> ScalingRun:
     metrics = f"{ctx.work_dir}/{mode}-{k}.jsonl"
     args = ["-m", "trainer", "--config", ctx.spec.trainer.config, "--steps", str(steps), "--resume", "none",
             "--metrics-file", metrics, "--seed", "0", *set_args(overrides)]
@@ -88,17 +129,18 @@ def _run(ctx: CheckContext, mode: str, k: int, steps: int, overrides: dict[str, 
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
         raise CheckError(f"{mode} scaling run on {k} node(s) failed: {failure}")
-    lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+    lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
     timed = lines[WARMUP_STEPS:]
     if not timed:
         raise CheckError(f"{mode} scaling run on {k} node(s) logged {len(lines)} steps; need more than "
                          f"{WARMUP_STEPS} (raise --steps)")
-    return {"nodes": k, "ranks": k * ctx.nproc, "steps": len(lines), **overrides,
-            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
-            "step_time_s": sum(r["step_time_s"] for r in timed) / len(timed)}
+    # `overrides` are the trainer settings by their `--set` names: ScalingRun's aliases.
+    return ScalingRun(nodes=k, ranks=k * ctx.nproc, steps=len(lines), **overrides,
+                      tokens_per_s=sum(r.tokens_per_s for r in timed) / len(timed),
+                      step_time_s=sum(r.step_time_s for r in timed) / len(timed))
 
 
-def _plot(result: dict[str, Any], path: Path) -> None:
+def _plot(result: ScalingResult, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,14 +148,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
 
     fig, (ax_t, ax_e) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
     try:
-        for mode in ("strong", "weak"):
-            runs = result[mode]["runs"]
-            ks = [r["nodes"] for r in runs]
-            ax_t.plot(ks, [r["tokens_per_s"] for r in runs], marker="o", label=f"{mode} scaling")
-            ax_e.plot(ks, [result[mode]["efficiency"][str(k)] for k in ks], marker="o",
-                      label=f"{mode} scaling")
-        ks = [r["nodes"] for r in result["strong"]["runs"]]
-        base = result["strong"]["runs"][0]["tokens_per_s"]
+        for mode, sweep in (("strong", result.strong), ("weak", result.weak)):
+            ks = [r.nodes for r in sweep.runs]
+            ax_t.plot(ks, [r.tokens_per_s for r in sweep.runs], marker="o", label=f"{mode} scaling")
+            ax_e.plot(ks, [sweep.efficiency[str(k)] for k in ks], marker="o", label=f"{mode} scaling")
+        ks = [r.nodes for r in result.strong.runs]
+        base = result.strong.runs[0].tokens_per_s
         ax_t.plot(ks, [base * k for k in ks], linestyle=":", color="grey", label="linear (strong)")
         ax_e.axhline(1.0, linestyle=":", color="grey", label="linear")
         for ax, ylabel in ((ax_t, "tokens/s (all ranks)"), (ax_e, "efficiency T(k) / (k T(1))")):
@@ -122,50 +162,57 @@ def _plot(result: dict[str, Any], path: Path) -> None:
             ax.set_xticks(ks)
             ax.grid(True, alpha=0.3)
             ax.legend()
-        ax_e.set_ylim(0, max(1.1, *(max(result[m]["efficiency"].values()) for m in ("strong", "weak"))))
-        fig.suptitle(f"{result['cluster']}: scaling over {result['nproc_per_node']} rank(s) per node")
+        ax_e.set_ylim(0, max(1.1, *(max(s.efficiency.values()) for s in (result.strong, result.weak))))
+        fig.suptitle(f"{result.cluster}: scaling over {result.nproc_per_node} rank(s) per node")
         fig.tight_layout()
         fig.savefig(path)
     finally:
         plt.close(fig)
 
 
-def run_scaling(state: ClusterState, *, steps: int = 20) -> dict[str, Any]:
+def _sweep(ctx: CheckContext, mode: str, counts: list[int], steps: int,
+           settings: Callable[[int], dict[str, int | None]]) -> ScalingMode:
+    """One run per node count, `settings(world size)` its batch, and the efficiency over them."""
+    runs = []
+    for k in counts:
+        _log(f"{mode} scaling on {k} node(s) ...")
+        run = _run(ctx, mode, k, steps, settings(k * ctx.nproc))
+        _log(f"{mode} scaling on {k} node(s): {run.tokens_per_s:.0f} tokens/s")
+        runs.append(run)
+    eff = efficiency({r.nodes: r.tokens_per_s for r in runs})
+    return ScalingMode(runs=runs, efficiency={str(k): e for k, e in eff.items()})
+
+
+def run_scaling(state: ClusterState, *, steps: int = 20) -> tuple[ScalingResult, list[Path]]:
+    """The strong and weak sweeps, written to scaling.json (and scaling.png) in the run's directory;
+    returns the result and the files written."""
     plots = plots_available()
     if not plots:
         _log(f"note: {PLOTS_MISSING}")
     ctx = check_context(state, "scale-test", steps=steps, out=_log)
-    inventory = CheckResult("inventory")
-    check_inventory(ctx, inventory)
+    inventory = check_inventory(ctx)
     if inventory.status == "fail":
         raise CheckError(inventory.summary)
+    ctx = replace(ctx, interfaces=inventory.interfaces)
     counts = node_counts(len(ctx.ranks))
     remote.run_all(state, f"mkdir -p {ctx.work_dir}", timeout=30)
     global_batch = strong_global_batch(counts, ctx.nproc)
-    result: dict[str, Any] = {"cluster": state.name, "nproc_per_node": ctx.nproc, "steps": steps,
-                              "warmup_steps": WARMUP_STEPS, "node_counts": counts,
-                              "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    modes = {"strong": lambda k: strong_settings(global_batch, k * ctx.nproc),
-             "weak": lambda k: weak_settings(k * ctx.nproc)}
+    measured_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
-        for mode, overrides in modes.items():
-            runs = []
-            for k in counts:
-                _log(f"{mode} scaling on {k} node(s) ...")
-                run = _run(ctx, mode, k, steps, overrides(k))
-                _log(f"{mode} scaling on {k} node(s): {run['tokens_per_s']:.0f} tokens/s")
-                runs.append(run)
-            eff = efficiency({r["nodes"]: r["tokens_per_s"] for r in runs})
-            result[mode] = {"runs": runs, "efficiency": {str(k): e for k, e in eff.items()}}
+        strong = _sweep(ctx, "strong", counts, steps, lambda ranks: strong_settings(global_batch, ranks))
+        weak = _sweep(ctx, "weak", counts, steps, weak_settings)
     finally:
         remote.run_all(state, f"rm -rf {ctx.work_dir}", timeout=60, check=False)
+    result = ScalingResult(cluster=state.name, nproc_per_node=ctx.nproc, steps=steps,
+                           warmup_steps=WARMUP_STEPS, node_counts=counts, measured_at=measured_at,
+                           strong=strong, weak=weak)
     json_path, png_path = ctx.run_dir / "scaling.json", ctx.run_dir / "scaling.png"
-    json_path.write_text(json.dumps(result, indent=2))
-    result["paths"] = [str(json_path)]
+    json_path.write_text(result.model_dump_json(indent=2))
+    paths = [json_path]
     if plots:
         _plot(result, png_path)
-        result["paths"].append(str(png_path))
-    return result
+        paths.append(png_path)
+    return result, paths
 
 
 def cmd_scale_test(args) -> int:
@@ -175,14 +222,14 @@ def cmd_scale_test(args) -> int:
                            "steps; use e.g. --steps 20")
     try:
         with state.operation("scale-test"):
-            result = run_scaling(state, steps=args.steps)
+            result, paths = run_scaling(state, steps=args.steps)
     except (CheckError, DeployError) as e:
         raise CommandError(f"scale test of cluster {state.name!r} failed: {e}\nFix the cause and rerun "
                            "`fsdpctl scale-test`.") from None
     say(f"{'mode':<7} {'nodes':>5} {'ranks':>5} {'tokens/s':>10} {'efficiency':>10}")
-    for mode in ("strong", "weak"):
-        for run in result[mode]["runs"]:
-            say(f"{mode:<7} {run['nodes']:>5} {run['ranks']:>5} {run['tokens_per_s']:>10.0f} "
-                  f"{result[mode]['efficiency'][str(run['nodes'])]:>10.2f}")
-    say("results: " + ", ".join(result["paths"]) + " (kept after `fsdpctl down`)")
+    for mode, sweep in (("strong", result.strong), ("weak", result.weak)):
+        for run in sweep.runs:
+            say(f"{mode:<7} {run.nodes:>5} {run.ranks:>5} {run.tokens_per_s:>10.0f} "
+                f"{sweep.efficiency[str(run.nodes)]:>10.2f}")
+    say("results: " + ", ".join(str(p) for p in paths) + " (kept after `fsdpctl down`)")
     return 0

@@ -28,39 +28,40 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TypeVar, get_args
 
 from fsdpctl import remote
 from fsdpctl.checks.bandwidth import check_bandwidth
-from fsdpctl.checks.context import CheckContext, CheckError, CheckResult, check_context
-from fsdpctl.checks.monitoring import check_monitoring
+from fsdpctl.checks.context import CheckError, CheckName, CheckResult, check_context
+from fsdpctl.checks.monitoring import MonitoringResult, check_monitoring
 from fsdpctl.checks.nodes import check_inventory
-from fsdpctl.checks.report import PLOTS_MISSING, check_table, plots_available, write_report
+from fsdpctl.checks.report import (
+    PLOTS_MISSING,
+    CheckEntry,
+    SmokeReport,
+    TrainingReport,
+    check_table,
+    plots_available,
+    write_report,
+)
 from fsdpctl.checks.torchrun import NODE_TIMEOUT_S
-from fsdpctl.checks.training import check_fsdp, check_recovery
+from fsdpctl.checks.training import FsdpResult, check_fsdp, check_recovery
 from fsdpctl.console import Out, say, stage
 from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.slurm import slurm_status
 from fsdpctl.state import ClusterState, resolve
 
-CHECKS = ("inventory", "bandwidth", "fsdp", "monitoring", "recovery")
-
-
-CHECK_FUNCTIONS: dict[str, Callable[[CheckContext, CheckResult], None]] = {
-    "inventory": check_inventory,
-    "bandwidth": check_bandwidth,
-    "fsdp": check_fsdp,
-    "monitoring": check_monitoring,
-    "recovery": check_recovery,
-}
+CHECKS: tuple[CheckName, ...] = get_args(CheckName)
+R = TypeVar("R", bound=CheckResult)
 
 
 def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int | None = None,
-              out: Out | None = None) -> dict[str, Any]:
+              out: Out | None = None) -> SmokeReport:
     """Run the checks and write the report into the run's directory under the cluster's reports
-    (kept after `fsdpctl down`); returns the report dict."""
+    (kept after `fsdpctl down`); returns the report."""
     out = out or stage("smoke")
     unknown = sorted(set(skip or []) - set(CHECKS))
     if unknown:
@@ -70,74 +71,116 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
         out(f"note: {PLOTS_MISSING}")
     ctx = check_context(state, "smoke", steps=steps or 20, out=out)
     slurm_up, slurm_problem = slurm_status(state)
-    ctx.slurm = bool(ctx.shared) and slurm_up
+    ctx = replace(ctx, slurm=bool(ctx.shared) and slurm_up)
     if ctx.slurm:
         out("Slurm runs on the cluster: the fsdp and recovery checks run as Slurm jobs")
     elif slurm_problem:
         out(f"note: Slurm is installed but {slurm_problem}; the fsdp and recovery checks run under "
             "torchrun instead (`fsdpctl configure --tags slurm` starts it)")
-    spec, record, ranks, work_dir = ctx.spec, state.read(), ctx.ranks, ctx.work_dir
+    record, work_dir = state.read(), ctx.work_dir
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    results: list[CheckResult] = []
-    blocked: str | None = None
-    for name in CHECKS:
-        result = CheckResult(name)
-        if name in (skip or []):
-            result.status, result.summary = "skip", "skipped on request (--skip)"
-        elif blocked:
-            result.status, result.summary = "skip", f"not run: {blocked}"
-        else:
-            out(f"{name} ...")
-            t0 = time.monotonic()
-            try:
-                if name != "inventory":
-                    deployed_venv(state)
-                    remote.run_all(state, f"mkdir -p {shlex.quote(work_dir)}", timeout=NODE_TIMEOUT_S)
-                wall_start = time.time()
-                CHECK_FUNCTIONS[name](ctx, result)
-                if name == "fsdp":  # the monitoring check reads Prometheus over this window
-                    ctx.training["window"] = [wall_start, time.time()]
-            except (DeployError, CheckError, remote.RemoteCommandFailed) as e:
-                result.fail(str(e))
-            result.duration_s = time.monotonic() - t0
-            out(f"{name}: {result.status} ({result.duration_s:.1f} s) {result.summary}")
-            if name == "inventory" and result.status == "fail":
-                blocked = "the inventory check failed (every node must answer first)"
-        results.append(result)
+    checks = _Checks(state, work_dir, skip or [], out)
+    inventory = checks.run("inventory", lambda: check_inventory(ctx))
+    if inventory:  # later jobs bind gloo to the interface carrying each node's cluster address
+        ctx = replace(ctx, interfaces=inventory.interfaces)
+    if checks.status("inventory") == "fail":
+        checks.block("the inventory check failed (every node must answer first)")
+    bandwidth = checks.run("bandwidth", lambda: check_bandwidth(ctx))
+    fsdp = checks.run("fsdp", lambda: check_fsdp(ctx))
+    monitoring = checks.run("monitoring", lambda: check_monitoring(ctx, fsdp.training if fsdp else None))
+    checks.run("recovery", lambda: check_recovery(ctx))
+    entries = checks.entries
 
-    failed = [r.name for r in results if r.status == "fail"]
-    report = {
-        "cluster": state.name, "target": record.target, "instance_type": spec.instance_type,
-        "nodes": len(ranks), "nproc_per_node": ctx.nproc, "started_at": started,
-        # how the fsdp and recovery checks ran: as Slurm jobs, or torchrun agents started over SSH
-        "scheduler": "slurm" if ctx.slurm else "torchrun",
-        "passed": not failed, "failed": failed,
-        "checks": [r.as_dict() for r in results],
-        "bandwidth": ctx.bandwidth,
-        "bandwidth_gate_gbps": next((r.details.get("gate_gbps") for r in results if r.name == "bandwidth"),
-                                    None),
-        "training": ctx.training,
-        "logs": str(ctx.run_dir),
-    }
-    json_path, html_path = write_report(ctx.run_dir, report, with_plots=plots)
-    report["report_paths"] = [str(json_path), str(html_path)]
+    report = SmokeReport(
+        cluster=state.name, target=record.target, instance_type=ctx.spec.instance_type, nodes=len(ctx.ranks),
+        nproc_per_node=ctx.nproc, started_at=started, scheduler="slurm" if ctx.slurm else "torchrun",
+        passed=all(e.status != "fail" for e in entries),
+        failed=[e.name for e in entries if e.status == "fail"], checks=entries,
+        bandwidth=bandwidth.measurement if bandwidth else None,
+        bandwidth_gate_gbps=bandwidth.details.gate_gbps if bandwidth and bandwidth.details else None,
+        training=_training_report(fsdp, monitoring), logs=str(ctx.run_dir))
+    write_report(ctx.run_dir, report, with_plots=plots)
     state.update(last_report=str(ctx.run_dir))
     # Checkpoints of a smoke run are only evidence; the report keeps the figures.
     remote.run_all(state, f"rm -rf {shlex.quote(work_dir)}", timeout=120, check=False)
     return report
 
 
-def cmd_smoke(args) -> int:
-    state = resolve(args.cluster)
+class _Checks:
+    """Runs the checks in order, each unless skipped on request or blocked by an earlier one, and
+    keeps the report's line of each."""
+
+    def __init__(self, state: ClusterState, work_dir: str, skip: list[str], out: Out):
+        self.state, self.work_dir, self.skip, self.out = state, work_dir, skip, out
+        self.entries: list[CheckEntry] = []
+        self.blocked: str | None = None
+
+    def block(self, why: str) -> None:
+        """The checks after this are not run, for this reason."""
+        self.blocked = why
+
+    def status(self, name: CheckName) -> str | None:
+        return next((e.status for e in self.entries if e.name == name), None)
+
+    def run(self, name: CheckName, check: Callable[[], R]) -> R | None:
+        """The check's result; None where it did not run or could not finish (its line says why)."""
+        if name in self.skip:
+            self._add(name, CheckResult(status="skip", summary="skipped on request (--skip)"), 0.0)
+            return None
+        if self.blocked:
+            self._add(name, CheckResult(status="skip", summary=f"not run: {self.blocked}"), 0.0)
+            return None
+        self.out(f"{name} ...")
+        t0 = time.monotonic()
+        result: R | None = None
+        try:
+            if name != "inventory":
+                deployed_venv(self.state)
+                remote.run_all(self.state, f"mkdir -p {shlex.quote(self.work_dir)}", timeout=NODE_TIMEOUT_S)
+            result = check()
+            line: CheckResult = result
+        except (DeployError, CheckError, remote.RemoteCommandFailed) as e:
+            line = CheckResult(status="fail", summary=str(e))
+        duration_s = time.monotonic() - t0
+        self.out(f"{name}: {line.status} ({duration_s:.1f} s) {line.summary}")
+        self._add(name, line, duration_s)
+        return result
+
+    def _add(self, name: CheckName, result: CheckResult, duration_s: float) -> None:
+        self.entries.append(CheckEntry(name=name, status=result.status, summary=result.summary,
+                                       duration_s=round(duration_s, 2), details=result.details))
+
+
+def _training_report(fsdp: FsdpResult | None, monitoring: MonitoringResult | None) -> TrainingReport:
+    """What the fsdp check trained and the monitoring check's series of it, for the report."""
+    series = monitoring.series if monitoring else None
+    if fsdp is None:
+        return TrainingReport(monitoring=series)
+    run = fsdp.training
+    return TrainingReport(steps=run.steps, summary=run.summary, per_rank=run.per_rank, window=run.window,
+                          monitoring=series)
+
+
+def smoke(cluster: str | None = None, *, skip: list[str] | None = None, steps: int | None = None
+          ) -> SmokeReport:
+    """`fsdpctl smoke`: the checks on the cluster's nodes (default: the cluster brought up last), the
+    pass/fail table printed, the report returned. CommandError when a check failed (the report is
+    written all the same) or the checks could not run."""
+    state = resolve(cluster)
     try:
         with state.operation("smoke"):
-            report = run_smoke(state, skip=args.skip, steps=args.steps)
+            report = run_smoke(state, skip=skip, steps=steps)
     except CheckError as e:
         raise CommandError(f"smoke test of cluster {state.name!r} could not run: {e}") from None
-    say(check_table(report["checks"]))
-    say(f"report: {report['report_paths'][1]} (kept after `fsdpctl down`)")
-    if report["failed"]:
-        raise CommandError(f"smoke test failed: {', '.join(report['failed'])} (see the table above and "
-                           f"{report['report_paths'][1]}; node logs in {report['logs']}). Fix the cause "
+    say(check_table(report.checks))
+    say(f"report: {report.html_path} (kept after `fsdpctl down`)")
+    if report.failed:
+        raise CommandError(f"smoke test failed: {', '.join(report.failed)} (see the table above and "
+                           f"{report.html_path}; node logs in {report.logs}). Fix the cause "
                            "and rerun `fsdpctl smoke`.")
+    return report
+
+
+def cmd_smoke(args) -> int:
+    smoke(args.cluster, skip=args.skip, steps=args.steps)
     return 0

@@ -1,19 +1,25 @@
-"""Jobs across the nodes: one torchrun agent per node over SSH, and the files they write read back."""
+"""Jobs across the nodes: one torchrun agent per node over SSH, and the files they write read back
+through their types (the trainer's metrics records, trainer/records.py)."""
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from fsdpctl import remote
+from fsdpctl.checks.errors import CheckError
 from fsdpctl.deploy import deployed_venv
 from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState
+from trainer.records import MetricsFormatError, MetricsLog, parse_metrics
+
+M = TypeVar("M", bound=BaseModel)
 
 NODE_TIMEOUT_S = 20
 """A short command on a node (a probe, a file read) must answer within this."""
@@ -155,26 +161,29 @@ def stop_leftover_jobs(state: ClusterState, ranks: list[int]) -> dict[int, list[
             if proc.returncode == 0 and proc.stdout.strip()}
 
 
-def read_remote_jsonl(state: ClusterState, rank: int, path: str) -> list[dict[str, Any]]:
+def read_remote_metrics(state: ClusterState, rank: int, path: str) -> MetricsLog:
+    """The trainer's metrics file on a node, as its records; empty while the run has written none.
+    CheckError naming the node, the file and the line when a line is not one of the trainer's records."""
     proc = remote.run(state, rank, f"cat {shlex.quote(path)} 2>/dev/null || true", timeout=NODE_TIMEOUT_S,
                       check=False)
-    rows = []
-    for line in (proc.stdout or "").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written while we read
-    return rows
-
-
-def read_remote_json(state: ClusterState, rank: int, path: str) -> dict[str, Any] | None:
-    proc = remote.run(state, rank, f"cat {shlex.quote(path)}", timeout=NODE_TIMEOUT_S, check=False)
     try:
-        return json.loads(proc.stdout) if proc.returncode == 0 else None
-    except ValueError:
+        return parse_metrics(proc.stdout or "", source=f"node {rank}:{path}")
+    except MetricsFormatError as e:
+        raise CheckError(str(e)) from None
+
+
+def read_remote_model(state: ClusterState, rank: int, path: str, model: type[M]) -> M | None:
+    """A JSON file a job wrote on a node, as `model`; None when the file is not there. CheckError
+    naming the node and the file when it is there but not a `model`."""
+    proc = remote.run(state, rank, f"cat {shlex.quote(path)}", timeout=NODE_TIMEOUT_S, check=False)
+    if proc.returncode != 0:
         return None
-
-
-def step_lines(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if "event" not in r and "step" in r]
+    try:
+        return model.model_validate_json(proc.stdout)
+    except ValidationError as e:
+        error = e.errors()[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise CheckError(f"node {rank}:{path} is not a {model.__name__} ({where + ': ' if where else ''}"
+                         f"{error['msg']}): deploy this checkout's trainer (`fsdpctl deploy`) and "
+                         "rerun") from None
 

@@ -3,19 +3,22 @@ sync share, verified checkpoints, resume) and recovery from a node whose workers
 
 from __future__ import annotations
 
-import json
 import shlex
 import time
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from fsdpctl import remote
 from fsdpctl.checks import nccl_network
 from fsdpctl.checks.batch import batch_settings, set_args
-from fsdpctl.checks.context import CheckContext, CheckError, CheckResult
-from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_jsonl, step_lines
+from fsdpctl.checks.context import CheckContext, CheckError, CheckResult, Details, Frozen
+from fsdpctl.checks.nccl_network import NcclNetwork
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_metrics
 from fsdpctl.console import stage
 from fsdpctl.deploy import deployed_venv
 from fsdpctl.slurm import SlurmJob
+from trainer.records import StepRecord, SummaryRecord
 
 _log = stage("smoke")
 
@@ -28,6 +31,88 @@ RECOVERY_TIMEOUT_S = 300
 # monitoring_textfile_dir of ansible/roles/monitoring (node exporter's textfile collector).
 PROMETHEUS_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 POLL_S = 0.25
+
+
+Window = tuple[float, float]
+"""Wall-clock time (Unix seconds) from the start of a check's runs to their end."""
+
+
+class RankPeakMemory(Frozen):
+    rank: int
+    max_mem_bytes: int
+
+
+class TrainingRun(Frozen):
+    """What the fsdp check trained: the monitoring check reads Prometheus over its window and fits
+    its step records; the report plots them."""
+
+    window: Window
+    steps: list[StepRecord] = []
+    summary: SummaryRecord | None = None
+    per_rank: list[RankPeakMemory] = []
+
+
+class CheckpointListing(BaseModel):
+    """One row of `python -m trainer.checkpoint list --json`: the fields the check reads."""
+
+    # The listing's other fields (path, world_size, created_at, committed) are not the check's.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    step: int | None
+    """None: a Hugging Face export, or a save never committed."""
+    verified: bool
+    bytes: int | None
+    problems: list[str]
+
+
+_LISTING = TypeAdapter(list[CheckpointListing])
+
+
+class ResumeFacts(Frozen):
+    from_step: int
+    first_step: int | None
+    last_step: int | None
+
+
+class FsdpDetails(Details):
+    check: Literal["fsdp"] = "fsdp"
+    steps: int
+    """Steps the run logged."""
+    world_size: int
+    nccl_network: NcclNetwork | None = None
+    """GPU nodes: the network NCCL chose (its log)."""
+    loss_first: float | None = None
+    """Mean loss of the first quarter of the steps."""
+    loss_last: float | None = None
+    mem_max_min_ratio: float | None = None
+    grad_sync_share: float | None = None
+    tokens_per_s: float | None = None
+    checkpoints: list[CheckpointListing] = []
+    resume: ResumeFacts | None = None
+
+
+class FsdpResult(CheckResult):
+    details: FsdpDetails | None = None
+    training: TrainingRun
+    """What was trained (no steps when the run failed)."""
+
+
+class RecoveryDetails(Details):
+    check: Literal["recovery"] = "recovery"
+    victim_node: int
+    killed_after_step: int
+    resumed_at_step: int
+    workers_restarted_after_s: float
+    recovery_time_s: float
+    """From the kill to the first step the restarted workers logged."""
+    checkpoint_interval: int
+    poll_interval_s: float
+    last_step: int | None = None
+    """The run's last logged step."""
+
+
+class RecoveryResult(CheckResult):
+    details: RecoveryDetails | None = None
 
 
 def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, interval: int,
@@ -44,14 +129,20 @@ def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, i
             "--set", f"metrics.prometheus_dir={PROMETHEUS_TEXTFILE_DIR}", "--set", "metrics.log_interval=1"]
 
 
-def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[dict[str, Any]]:
+def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[CheckpointListing]:
+    """The checkpoints under `checkpoint_dir`, verified by the trainer on the first node; none when it
+    cannot list them (the check then says no checkpoint was written)."""
     venv = deployed_venv(ctx.state)
     proc = remote.run(ctx.state, ctx.ranks[0], f"{venv}/bin/python -m trainer.checkpoint list --json "
                       f"{shlex.quote(checkpoint_dir)}", timeout=120, check=False)
-    try:
-        return json.loads(proc.stdout) if proc.returncode == 0 else []
-    except ValueError:
+    if proc.returncode != 0:
         return []
+    try:
+        return _LISTING.validate_json(proc.stdout)
+    except ValidationError as e:
+        raise CheckError(f"`python -m trainer.checkpoint list --json {checkpoint_dir}` on node "
+                         f"{ctx.ranks[0]} printed no checkpoint listing ({e.errors()[0]['msg']}): deploy "
+                         "this checkout's trainer (`fsdpctl deploy`) and rerun") from None
 
 
 def _job(ctx: CheckContext, name: str, module_args: list[str], **kwargs: Any) -> TorchrunJob | SlurmJob:
@@ -64,7 +155,8 @@ def _job(ctx: CheckContext, name: str, module_args: list[str], **kwargs: Any) ->
                     log_dir=ctx.run_dir, name=name, work_dir=ctx.work_dir, **kwargs)
 
 
-def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
+def check_fsdp(ctx: CheckContext) -> FsdpResult:
+    started = time.time()
     steps = ctx.steps
     interval = max(1, steps // 2)
     # Every rank writes into one checkpoint directory, so checkpoints need the shared file system.
@@ -75,41 +167,40 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
                env=nccl_network.NCCL_DEBUG_ENV if ctx.on_gpu else None)
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
-        result.fail(f"training run failed: {failure}")
-        return
-    rows = read_remote_jsonl(ctx.state, ctx.ranks[0], metrics)
-    lines = step_lines(rows)
-    summary_event = next((r for r in rows if r.get("event") == "summary"), {})
-    ctx.training = {"steps": lines, "summary": summary_event, "per_rank": per_rank_figures(lines)}
-    problems, facts = [], {"steps": len(lines), "world_size": ctx.world_size}
+        return FsdpResult(status="fail", summary=f"training run failed: {failure}",
+                          training=TrainingRun(window=(started, time.time())))
+    log = read_remote_metrics(ctx.state, ctx.ranks[0], metrics)
+    lines = log.steps
+
+    def trained() -> TrainingRun:  # the window ends when the check's last run has
+        return TrainingRun(window=(started, time.time()), steps=lines, summary=log.summary,
+                           per_rank=per_rank_figures(lines))
+
+    problems: list[str] = []
+    network = None
     if ctx.on_gpu:  # EFA instances must train over aws-ofi-nccl on EFA, with GPUDirect RDMA
         network = nccl_network.parse_nccl_network(job.logs())
-        facts["nccl_network"] = network.as_dict()
         problems += nccl_network.network_problems(network, efa_interfaces=ctx.spec.instance.efa_interfaces,
                                                   multi_node=len(ctx.ranks) > 1)
     if len(lines) < steps:
-        result.fail(f"the run logged {len(lines)} of {steps} steps to {metrics}")
-        return
+        return FsdpResult(status="fail", summary=f"the run logged {len(lines)} of {steps} steps to {metrics}",
+                          training=trained())
 
     quarter = max(1, len(lines) // 4)
-    first = sum(r["loss"] for r in lines[:quarter]) / quarter
-    last = sum(r["loss"] for r in lines[-quarter:]) / quarter
-    facts.update(loss_first=first, loss_last=last)
+    first = sum(r.loss for r in lines[:quarter]) / quarter
+    last = sum(r.loss for r in lines[-quarter:]) / quarter
     if not last < first:
         problems.append(f"loss did not decrease (mean of the first {quarter} steps {first:.4f}, "
                         f"of the last {quarter} {last:.4f})")
 
-    ratio = max((r.get("mem_max_min_ratio") or 1.0) for r in lines)
-    facts["mem_max_min_ratio"] = ratio
+    ratio = max(r.mem_max_min_ratio for r in lines)
     if ratio > MEMORY_BALANCE_BOUND:
         problems.append(f"memory unbalanced: max/min peak memory across ranks {ratio:.2f} > "
                         f"{MEMORY_BALANCE_BOUND}")
 
     timed = lines[1:] or lines  # the first step includes start-up work
-    shares = [r["grad_sync_share"] for r in timed if r.get("grad_sync_share") is not None]
+    shares = [r.grad_sync_share for r in timed if r.grad_sync_share is not None]
     share = sum(shares) / len(shares) if shares else None
-    facts["grad_sync_share"] = share
-    facts["tokens_per_s"] = sum(r["tokens_per_s"] for r in timed) / len(timed)
     if ctx.on_gpu and share is None:
         problems.append("gradient-sync share not measured: no step after the first was profiled (the "
                         "trainer config's metrics.profile_steps is 0, or --steps is below 2)")
@@ -117,63 +208,64 @@ def check_fsdp(ctx: CheckContext, result: CheckResult) -> None:
         problems.append(f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})")
 
     checkpoints = _list_checkpoints(ctx, ckpt) if ckpt else []
-    facts["checkpoints"] = [{k: c.get(k) for k in ("step", "verified", "bytes", "problems")}
-                            for c in checkpoints]
-    verified = [c for c in checkpoints if c.get("verified")]
+    verified = [c for c in checkpoints if c.verified]
+    # A training checkpoint has a step; a Hugging Face export in the directory has none.
+    resumable = [c.step for c in verified if c.step is not None]
     if ckpt is None:
         checkpoint_note = ("checkpoint and resume skipped: the cluster has no shared file system "
                            "(enable storage.fsx)")
     elif not checkpoints:
         problems.append(f"no checkpoint written under {ckpt}")
     elif len(verified) != len(checkpoints):
-        bad = [p for c in checkpoints for p in c.get("problems", [])]
+        bad = [p for c in checkpoints for p in c.problems]
         problems.append("checkpoint manifest does not verify: " + "; ".join(bad[:3]))
 
-    if verified:
+    resume = None
+    if resumable:
         resume_steps = steps + max(2, steps // 4)
         resumed_metrics = f"{ctx.work_dir}/fsdp-resume-metrics.jsonl"
         job = _job(ctx, "fsdp-resume", trainer_args(ctx, steps=resume_steps, checkpoint_dir=ckpt,
                                                    interval=interval, metrics=resumed_metrics,
                                                    resume="auto"))
         failure = job.failure(job.wait(RUN_TIMEOUT_S))
-        resumed = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], resumed_metrics))
-        latest = max(c["step"] for c in verified)
-        facts["resume"] = {"from_step": latest, "first_step": resumed[0]["step"] if resumed else None,
-                           "last_step": resumed[-1]["step"] if resumed else None}
+        resumed = read_remote_metrics(ctx.state, ctx.ranks[0], resumed_metrics).steps
+        latest = max(resumable)
+        resume = ResumeFacts(from_step=latest, first_step=resumed[0].step if resumed else None,
+                             last_step=resumed[-1].step if resumed else None)
         if failure:
             problems.append(f"resume run failed: {failure}")
-        elif not resumed or resumed[0]["step"] != latest + 1 or resumed[-1]["step"] != resume_steps:
+        elif resume.first_step != latest + 1 or resume.last_step != resume_steps:
             problems.append(f"resume did not continue from the checkpoint at step {latest}: "
-                            f"{facts['resume']}")
-        checkpoint_note = (f"{len(verified)} checkpoint(s) verified; resumed at step "
-                           f"{facts['resume']['first_step']}")
+                            f"{resume.model_dump()}")
+        checkpoint_note = f"{len(verified)} checkpoint(s) verified; resumed at step {resume.first_step}"
 
-    result.details = facts
+    details = FsdpDetails(steps=len(lines), world_size=ctx.world_size, nccl_network=network, loss_first=first,
+                          loss_last=last, mem_max_min_ratio=ratio, grad_sync_share=share,
+                          tokens_per_s=sum(r.tokens_per_s for r in timed) / len(timed),
+                          checkpoints=checkpoints, resume=resume)
     if problems:
-        result.fail("; ".join(problems))
-    else:
-        sync_note = "" if ctx.on_gpu else " (reported, not gated, on gloo)"
-        sync = "not measured" if share is None else f"{share:.0%}"
-        result.summary = (f"loss {first:.3f} -> {last:.3f}; memory max/min {ratio:.2f}; grad sync "
-                          f"{sync}{sync_note}; {checkpoint_note}")
+        return FsdpResult(status="fail", summary="; ".join(problems), details=details, training=trained())
+    sync_note = "" if ctx.on_gpu else " (reported, not gated, on gloo)"
+    sync = "not measured" if share is None else f"{share:.0%}"
+    return FsdpResult(summary=(f"loss {first:.3f} -> {last:.3f}; memory max/min {ratio:.2f}; grad sync "
+                               f"{sync}{sync_note}; {checkpoint_note}"), details=details, training=trained())
 
 
-def per_rank_figures(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def per_rank_figures(lines: list[StepRecord]) -> list[RankPeakMemory]:
     """Peak memory of each rank over the run. (Throughput per rank is what each rank measured of
     itself, from Prometheus: the monitoring check's `per_rank_tokens_per_s`.)"""
-    per_step = [r["mem_bytes_per_rank"] for r in lines if r.get("mem_bytes_per_rank")]
+    per_step = [r.mem_bytes_per_rank for r in lines if r.mem_bytes_per_rank]
     if not per_step:
         return []
     world = len(per_step[-1])
-    return [{"rank": rank, "max_mem_bytes": max(m[rank] for m in per_step if len(m) == world)}
+    return [RankPeakMemory(rank=rank, max_mem_bytes=max(m[rank] for m in per_step if len(m) == world))
             for rank in range(world)]
 
 
-def check_recovery(ctx: CheckContext, result: CheckResult) -> None:
+def check_recovery(ctx: CheckContext) -> RecoveryResult:
     if not ctx.shared:
-        result.status = "skip"
-        result.summary = "no shared file system: restarted ranks cannot load checkpoints"
-        return
+        return RecoveryResult(status="skip",
+                              summary="no shared file system: restarted ranks cannot load checkpoints")
     # Under Slurm every poll of the job is a round trip to the controller: a longer run keeps the
     # kill inside it.
     steps, interval = max(40 if ctx.slurm else 16, ctx.steps), 4
@@ -185,28 +277,27 @@ def check_recovery(ctx: CheckContext, result: CheckResult) -> None:
                                             metrics=metrics, resume="auto"),
                   max_restarts=3, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     try:
-        facts = _kill_and_time_recovery(ctx, job, victim, metrics, interval)
+        timed = _kill_and_time_recovery(ctx, job, victim, metrics, interval)
     except CheckError as e:
         job.stop()
-        result.fail(str(e))
-        return
+        return RecoveryResult(status="fail", summary=str(e))
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
-    lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
-    facts["last_step"] = lines[-1]["step"] if lines else None
-    result.details = facts
+    lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
+    details = timed.model_copy(update={"last_step": lines[-1].step if lines else None})
     if failure:
-        result.fail(f"the run did not complete after the restart: {failure}")
-    elif facts["last_step"] != steps:
-        result.fail(f"the run stopped at step {facts['last_step']} of {steps}")
-    else:
-        result.summary = (f"killed node {victim}'s workers after step {facts['killed_after_step']}; training "
-                          f"continued at step {facts['resumed_at_step']} (from the checkpoint of step "
-                          f"{facts['resumed_at_step'] - 1}) after "
-                          f"{facts['recovery_time_s']:.1f} s; completed {steps} steps")
+        return RecoveryResult(status="fail", summary=f"the run did not complete after the restart: {failure}",
+                              details=details)
+    if details.last_step != steps:
+        return RecoveryResult(status="fail", details=details,
+                              summary=f"the run stopped at step {details.last_step} of {steps}")
+    return RecoveryResult(details=details, summary=(
+        f"killed node {victim}'s workers after step {details.killed_after_step}; training continued at "
+        f"step {details.resumed_at_step} (from the checkpoint of step {details.resumed_at_step - 1}) after "
+        f"{details.recovery_time_s:.1f} s; completed {steps} steps"))
 
 
 def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, victim: int, metrics: str,
-                            interval: int) -> dict[str, Any]:
+                            interval: int) -> RecoveryDetails:
     """Wait for a checkpoint and a step after it, kill the victim's workers, and time the recovery:
     from the kill to the first metrics line written by the restarted workers.
 
@@ -217,8 +308,8 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
     requeued job's new workers resume from the checkpoint in the same way."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
-        lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
-        last_step = lines[-1]["step"] if lines else 0
+        lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
+        last_step = lines[-1].step if lines else 0
         if last_step > interval and last_step % interval:
             break
         if any(code is not None for code in job.poll().values()):
@@ -231,23 +322,22 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
     killed = time.monotonic()
     _log(f"recovery: killed the workers on node {victim} (pids {sorted(killed_pids)}) after step {last_step}")
     lines_before_restart: int | None = None
-    restart_s = None
+    restart_s = 0.0
     while time.monotonic() - killed < RECOVERY_TIMEOUT_S:
         if lines_before_restart is None:
             if job.worker_pids(victim) - killed_pids:
                 restart_s = time.monotonic() - killed
-                lines_before_restart = len(step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics)))
+                lines_before_restart = len(read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps)
         else:
-            lines = step_lines(read_remote_jsonl(ctx.state, ctx.ranks[0], metrics))
+            lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
             if len(lines) > lines_before_restart:
-                return {"victim_node": victim, "killed_after_step": last_step,
-                        "resumed_at_step": lines[lines_before_restart]["step"],
-                        "workers_restarted_after_s": round(restart_s, 2),
-                        "recovery_time_s": round(time.monotonic() - killed, 2),
-                        "checkpoint_interval": interval, "poll_interval_s": POLL_S}
+                return RecoveryDetails(victim_node=victim, killed_after_step=last_step,
+                                       resumed_at_step=lines[lines_before_restart].step,
+                                       workers_restarted_after_s=round(restart_s, 2),
+                                       recovery_time_s=round(time.monotonic() - killed, 2),
+                                       checkpoint_interval=interval, poll_interval_s=POLL_S)
         if all(code is not None for code in job.poll().values()):
             raise CheckError("the job exited after the kill instead of restarting: "
                              + (job.failure({r: c or 0 for r, c in job.poll().items()}) or "no error"))
         time.sleep(POLL_S)
     raise CheckError(f"training did not continue within {RECOVERY_TIMEOUT_S} s of the kill")
-

@@ -14,13 +14,14 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from fsdpctl import remote
 from fsdpctl.checks.context import check_context
-from fsdpctl.checks.torchrun import NODE_TIMEOUT_S, read_remote_jsonl, step_lines
+from fsdpctl.checks.torchrun import NODE_TIMEOUT_S, read_remote_metrics
 from fsdpctl.checks.training import trainer_args
 from fsdpctl.state import cluster_state
 from tests.local.conftest import REPO, fsdpctl, host_leftovers, read_state, require_local_prerequisites
@@ -175,8 +176,7 @@ def test_a_link_cut_mid_training_times_out_names_the_node_and_resumes_from_the_c
         home, cluster, fault, monkeypatch):
     monkeypatch.setenv("FSDPCTL_HOME", str(home))
     state = cluster_state(NAME)
-    ctx = check_context(state, "link-cut", steps=60, out=print)
-    ctx.interfaces = {0: "eth0", 1: "eth0"}
+    ctx = replace(check_context(state, "link-cut", steps=60, out=print), interfaces={0: "eth0", 1: "eth0"})
     checkpoints, metrics = f"{ctx.work_dir}/checkpoints", f"{ctx.work_dir}/metrics.jsonl"
     args = [*trainer_args(ctx, steps=60, checkpoint_dir=checkpoints, interval=2, metrics=metrics,
                           resume="auto"), "--set", f"distributed.timeout_s={COLLECTIVE_TIMEOUT_S}"]
@@ -207,7 +207,7 @@ def test_a_link_cut_mid_training_times_out_names_the_node_and_resumes_from_the_c
     assert again.failure(again.wait(600)) is None
     resumed = (ctx.run_dir / "link-cut-resumed-node0.log").read_text()
     assert f"resumed from {checkpoints}/step_{saved[-1]:08d} (step {saved[-1]})" in resumed, resumed[-3000:]
-    steps = [row["step"] for row in step_lines(read_remote_jsonl(state, 0, metrics))]
+    steps = [record.step for record in read_remote_metrics(state, 0, metrics).steps]
     fault.lost(0 if steps[-1] == 60 else 1)
     assert steps[-1] == 60
 

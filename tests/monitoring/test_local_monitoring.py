@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from fsdpctl import remote
-from fsdpctl.checks.context import CheckResult, check_context
+from fsdpctl.checks.context import check_context
 from fsdpctl.checks.monitoring import HOST_LEAK_BOUND_MIB, check_monitoring
-from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_jsonl, step_lines
-from fsdpctl.checks.training import trainer_args
+from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_metrics
+from fsdpctl.checks.training import TrainingRun, trainer_args
 from fsdpctl.monitor import NODE_QUERIES, Prometheus, by_node
 from fsdpctl.state import cluster_state
 from tests.local.conftest import fsdpctl, require_local_prerequisites, spec_file
@@ -113,10 +113,9 @@ def leak_run(state):
         job.stop()
     assert failure is None, failure
     # What the fsdp check hands the monitoring check: the run's window and its step records.
-    ctx.training["window"] = [started, time.time()]
-    ctx.training["steps"] = step_lines(read_remote_jsonl(state, 0, f"{ctx.work_dir}/leak-metrics.jsonl"))
-    result = CheckResult("monitoring")
-    check_monitoring(ctx, result)
+    training = TrainingRun(window=(started, time.time()),
+                           steps=read_remote_metrics(state, 0, f"{ctx.work_dir}/leak-metrics.jsonl").steps)
+    result = check_monitoring(ctx, training)
     left = remote.run_all(state, "ls /var/lib/prometheus/node-exporter")
     return {"live": live, "run_id": job.run_id, "result": result, "names": names, "left": left}
 
@@ -132,16 +131,16 @@ def test_trainer_metrics_appear_during_the_run_with_job_rank_and_host(leak_run):
 def test_a_leaking_worker_fails_the_leak_check(leak_run):
     result = leak_run["result"]
     assert result.status == "fail", result.summary
-    leaks = result.details["leaks"]
+    leaks = result.details.leaks
     assert set(leaks) == {"rank 0 host RSS", "rank 1 host RSS"}  # no device memory on CPU
     rank1, rank0 = leaks["rank 1 host RSS"], leaks["rank 0 host RSS"]
-    assert rank1["steps_fitted"] == rank0["steps_fitted"] >= LEAK_STEPS // 2  # every logged step
-    assert rank1["status"] == "fail" and rank1["mib_per_100_steps"] > HOST_LEAK_BOUND_MIB
+    assert rank1.steps_fitted == rank0.steps_fitted >= LEAK_STEPS // 2  # every logged step
+    assert rank1.status == "fail" and rank1.mib_per_100_steps > HOST_LEAK_BOUND_MIB
     # The fit sees the injected rate (8 MiB a step = 800 MiB per 100 steps) within noise.
-    assert 0.7 * LEAK_MIB_PER_STEP * 100 < rank1["mib_per_100_steps"] < 1.3 * LEAK_MIB_PER_STEP * 100
-    assert rank0["status"] == "pass"
+    assert 0.7 * LEAK_MIB_PER_STEP * 100 < rank1.mib_per_100_steps < 1.3 * LEAK_MIB_PER_STEP * 100
+    assert rank0.status == "pass"
     assert "rank 1 host RSS grows" in result.summary and "rank 0" not in result.summary
-    assert result.details["gpu"]["status"] == "skip"
+    assert result.details.gpu.status == "skip"
 
 
 def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):

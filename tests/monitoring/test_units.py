@@ -17,6 +17,8 @@ from fsdpctl.checks.monitoring import (
     HOST_LEAK_BOUND_MIB,
     MIB,
     MIN_FIT_STEPS,
+    MonitoringSeries,
+    RangeSeries,
     after_warmup,
     gpu_problems,
     gpu_utilisation,
@@ -27,11 +29,13 @@ from fsdpctl.checks.monitoring import (
 from fsdpctl.checks.report import monitoring_plots
 from fsdpctl.monitor import NODE_QUERIES, render_view
 from tests.monitoring.promql import metric_names
+from tests.trainer.record_samples import step_record
 from trainer.config import MetricsConfig
 from trainer.distributed import Runtime
 from trainer.errors import ConfigError
 from trainer.metrics import current_memory_bytes
 from trainer.prometheus import METRICS, RankMetrics, render
+from trainer.records import StepRecord
 
 REPO = Path(__file__).resolve().parents[2]
 EFA_SCRIPT = REPO / "ansible/roles/monitoring/files/fsdp-efa-counters.py"
@@ -64,34 +68,34 @@ def _series(per_step_mib: float, steps: int = 40, noise_mib: float = 0.0) -> lis
 
 def test_leak_verdicts_against_the_bound():
     flat = leak_verdict(_series(0, noise_mib=8), HOST_LEAK_BOUND_MIB)
-    assert flat["status"] == "pass" and abs(flat["mib_per_100_steps"]) < 50
+    assert flat.status == "pass" and abs(flat.mib_per_100_steps) < 50
     leaking = leak_verdict(_series(8), HOST_LEAK_BOUND_MIB)
-    assert leaking["status"] == "fail" and leaking["mib_per_100_steps"] == pytest.approx(800, rel=1e-6)
+    assert leaking.status == "fail" and leaking.mib_per_100_steps == pytest.approx(800, rel=1e-6)
     # Just under and just over the bound (per 100 steps).
-    assert leak_verdict(_series(HOST_LEAK_BOUND_MIB / 100 * 0.9), HOST_LEAK_BOUND_MIB)["status"] == "pass"
-    assert leak_verdict(_series(HOST_LEAK_BOUND_MIB / 100 * 1.1), HOST_LEAK_BOUND_MIB)["status"] == "fail"
+    assert leak_verdict(_series(HOST_LEAK_BOUND_MIB / 100 * 0.9), HOST_LEAK_BOUND_MIB).status == "pass"
+    assert leak_verdict(_series(HOST_LEAK_BOUND_MIB / 100 * 1.1), HOST_LEAK_BOUND_MIB).status == "fail"
     # A rise during warm-up only is not a leak.
     warm = [(s, (100 if s <= 10 else 900) * MIB) for s in range(1, 41)]
-    assert leak_verdict(warm, HOST_LEAK_BOUND_MIB)["status"] == "pass"
+    assert leak_verdict(warm, HOST_LEAK_BOUND_MIB).status == "pass"
 
 
 def test_too_few_steps_after_warmup_is_a_skip_with_the_reason():
     verdict = leak_verdict(_series(100, steps=MIN_FIT_STEPS + 1), HOST_LEAK_BOUND_MIB)
-    assert verdict["status"] == "skip" and "needed" in verdict["reason"]
-    assert verdict["mib_per_100_steps"] is None
+    assert verdict.status == "skip" and "needed" in verdict.reason
+    assert verdict.mib_per_100_steps is None
 
 
-def _dcgm(node: str, gpu: int, utils: list[float]) -> dict:
+def _dcgm(node: str, gpu: int, utils: list[float]) -> RangeSeries:
     """A query_range series of DCGM_FI_DEV_GPU_UTIL (percent), one sample a second from t=100."""
-    return {"metric": {"node": node, "gpu": str(gpu)},
-            "values": [[100 + i, str(u)] for i, u in enumerate(utils)]}
+    return RangeSeries(labels={"node": node, "gpu": str(gpu)},
+                       points=[(100 + i, u) for i, u in enumerate(utils)])
 
 
 def test_gpu_utilisation_is_the_mean_after_warmup_and_every_expected_gpu_must_report():
     expected = ["n0/gpu0", "n0/gpu1", "n1/gpu0", "n1/gpu1"]
     busy = [_dcgm(n, g, [10, 10, 97, 95]) for n in ("n0", "n1") for g in (0, 1)]
     gpu = gpu_utilisation(busy, expected, since=102)  # the first two samples are warm-up
-    assert gpu["mean_util"] == {g: pytest.approx(0.96) for g in expected} and gpu["missing"] == []
+    assert gpu.mean_util == {g: pytest.approx(0.96) for g in expected} and gpu.missing == []
     assert gpu_problems(gpu) == []
 
     slow = gpu_utilisation([*busy[:3], _dcgm("n1", 1, [90, 90, 60, 70])], expected, since=102)
@@ -99,26 +103,26 @@ def test_gpu_utilisation_is_the_mean_after_warmup_and_every_expected_gpu_must_re
 
     # An exporter that is down on one node, or on all: a failure naming the GPUs, never a pass or a skip.
     half = gpu_utilisation(busy[:2], expected, since=102)
-    assert half["missing"] == ["n1/gpu0", "n1/gpu1"]
+    assert half.missing == ["n1/gpu0", "n1/gpu1"]
     assert "no DCGM utilisation from 2 GPU(s) (n1/gpu0, n1/gpu1)" in gpu_problems(half)[0]
     none = gpu_utilisation([], expected, since=102)
     assert len(gpu_problems(none)) == 1 and "from 4 GPU(s)" in gpu_problems(none)[0]
     # Samples only during warm-up count as missing too.
-    assert gpu_utilisation([_dcgm("n0", 0, [99])], ["n0/gpu0"], since=102)["missing"] == ["n0/gpu0"]
+    assert gpu_utilisation([_dcgm("n0", 0, [99])], ["n0/gpu0"], since=102).missing == ["n0/gpu0"]
 
 
 def test_memory_series_per_rank_from_the_steps_that_read_memory():
     # The trainer reads memory at each flush: here steps 1, 10 and 20 (log_interval 10); device
     # memory only on GPU runs.
-    lines = [{"step": 1, "host_rss_bytes_per_rank": [100, 200], "device_mem_bytes_per_rank": [5, 6]},
-             *({"step": s} for s in range(2, 10)),
-             {"step": 10, "host_rss_bytes_per_rank": [110, 260], "device_mem_bytes_per_rank": [5, 7]},
-             {"step": 20, "host_rss_bytes_per_rank": [120, 320], "device_mem_bytes_per_rank": [5, 8]}]
+    lines = [step_record(1, host_rss_bytes_per_rank=[100, 200], device_mem_bytes_per_rank=[5, 6]),
+             *(step_record(s) for s in range(2, 10)),
+             step_record(10, host_rss_bytes_per_rank=[110, 260], device_mem_bytes_per_rank=[5, 7]),
+             step_record(20, host_rss_bytes_per_rank=[120, 320], device_mem_bytes_per_rank=[5, 8])]
     series = memory_series(lines)
     assert series["rank 1 host RSS"] == (HOST_LEAK_BOUND_MIB, [(1.0, 200.0), (10.0, 260.0), (20.0, 320.0)])
     assert series["rank 0 device memory"] == (DEVICE_LEAK_BOUND_MIB, [(1.0, 5.0), (10.0, 5.0), (20.0, 5.0)])
     assert set(series) == {f"rank {r} {k}" for r in (0, 1) for k in ("host RSS", "device memory")}
-    cpu = memory_series([{"step": s, "host_rss_bytes_per_rank": [100]} for s in range(1, 4)])
+    cpu = memory_series([step_record(s, host_rss_bytes_per_rank=[100]) for s in range(1, 4)])
     assert set(cpu) == {"rank 0 host RSS"}
     assert memory_series([]) == {}
 
@@ -126,22 +130,22 @@ def test_memory_series_per_rank_from_the_steps_that_read_memory():
 def test_a_leak_is_fitted_from_every_logged_step_of_a_short_run():
     # 20 smoke steps logged every step: the fit sees 15 steps after warm-up, where a Prometheus scrape
     # every 2 s would have caught one or two of them.
-    lines = [{"step": s, "host_rss_bytes_per_rank": [(500 + (s * 8 if s > 3 else 0)) * MIB, 500 * MIB]}
+    lines = [step_record(s, host_rss_bytes_per_rank=[(500 + (s * 8 if s > 3 else 0)) * MIB, 500 * MIB])
              for s in range(1, 21)]
     series = memory_series(lines)
     leaking = leak_verdict(series["rank 0 host RSS"][1], HOST_LEAK_BOUND_MIB)
-    assert leaking["status"] == "fail" and leaking["mib_per_100_steps"] == pytest.approx(800)
-    assert leaking["steps_fitted"] == 15
-    assert leak_verdict(series["rank 1 host RSS"][1], HOST_LEAK_BOUND_MIB)["status"] == "pass"
+    assert leaking.status == "fail" and leaking.mib_per_100_steps == pytest.approx(800)
+    assert leaking.steps_fitted == 15
+    assert leak_verdict(series["rank 1 host RSS"][1], HOST_LEAK_BOUND_MIB).status == "pass"
 
 
 def _runtime(rank: int = 1, world: int = 2) -> Runtime:
     return Runtime(rank, world, rank, world, 0, torch.device("cpu"), "gloo", "node-a")
 
 
-def _record(step: int) -> dict:
-    return {"step": step, "loss": 2.5, "tokens_per_s": 1000.0, "mfu": None, "step_time_s": 0.5,
-            "grad_sync_share": None, "mem_bytes_per_rank": [111, 222]}
+def _record(step: int) -> StepRecord:
+    return step_record(step, loss=2.5, tokens_per_s=1000.0, mfu=None, step_time_s=0.5, grad_sync_share=None,
+                       mem_bytes_per_rank=(111, 222))
 
 
 def test_rank_metrics_writes_one_prometheus_file_per_rank_and_removes_it(tmp_path, monkeypatch):
@@ -231,10 +235,12 @@ def test_monitor_view_renders_a_row_per_node():
 
 def test_monitoring_plots_from_series():
     pytest.importorskip("matplotlib")
-    mon = {"window": [100.0, 110.0], "cpu_util": {"n0": [[100.0, 0.5], [101.0, 0.6]]},
-           "gpu_util": {}, "network_bps": {"rx": {"n0": [[100.0, 1e9]]}, "tx": {"n0": [[100.0, 2e9]]}},
-           "link_bps": {"n0": 1e10}, "memory": {"j rank 0 host RSS": [[5.0, 1e8], [6.0, 1.1e8]]},
-           "per_rank_tokens_per_s": {"0": 100.0, "1": 110.0}}
+    mon = MonitoringSeries(
+        window=(100.0, 110.0), cpu_util={"n0": [(100.0, 0.5), (101.0, 0.6)]}, gpu_util={},
+        network_bps={"rx": {"n0": [(100.0, 1e9)]}, "tx": {"n0": [(100.0, 2e9)]}}, link_bps={"n0": 1e10},
+        memory={"j rank 0 host RSS": [(5.0, 1e8), (6.0, 1.1e8)]},
+        per_rank_tokens_per_s={"0": 100.0, "1": 110.0})
     assert set(monitoring_plots(mon)) == {"Utilisation over time", "Network over time",
                                           "Memory per rank over steps", "Tokens/s measured on each rank"}
-    assert monitoring_plots({}) == {}
+    assert monitoring_plots(MonitoringSeries(window=(100.0, 110.0), cpu_util={}, gpu_util={}, network_bps={},
+                                             link_bps={}, memory={}, per_rank_tokens_per_s={})) == {}

@@ -122,7 +122,9 @@ def metrics_run(path: Path, counts: list[dict | None]) -> None:
                       backend="gloo", hostname=socket.gethostname())
     metrics = MetricsLogger(MetricsConfig(file=str(path), log_interval=1, profile_steps=0), runtime,
                             total_steps=len(counts), tokens_per_step=1, samples_per_step=1, flops_per_token=1,
-                            run_info={}, hosts=[runtime.hostname] * runtime.world_size, log=lambda _: None)
+                            # no model here: only the byte counts are under test
+                            strategy="FULL_SHARD", params=0,
+                            hosts=[runtime.hostname] * runtime.world_size, log=lambda _: None)
     metrics.start()
     for number, comm_bytes in enumerate(counts, start=1):
         metrics.log_step(step=number, loss=torch.tensor(1.0), lr=0.1, grad_norm=torch.tensor(1.0),

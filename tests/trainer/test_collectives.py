@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from fsdpctl.checks.bandwidth import AllReduceMeasurement
 from trainer.collectives import bus_bandwidth, parse_size
 
 
@@ -55,3 +56,6 @@ def test_two_rank_gloo_run_reports_consistent_bandwidth(tmp_path):
         assert row["algbw_gbps"] == pytest.approx(row["bytes"] / (row["time_us"] / 1e6) / 1e9, rel=1e-3)
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"])  # 2(n-1)/n = 1 for 2 ranks
     assert data["peak_busbw_gbps"] == max(r["busbw_gbps"] for r in data["results"])
+    # The smoke test's bandwidth check reads the file through its type: every key is one of its fields.
+    measured = AllReduceMeasurement.model_validate_json(out.read_text())
+    assert measured.model_dump(exclude_none=True) == {k: v for k, v in data.items() if v is not None}

@@ -52,7 +52,7 @@ def metrics_run(tmp_path_factory) -> dict:
                           device=torch.device("cpu"), backend="gloo", hostname=socket.gethostname())
         cfg = MetricsConfig(file=str(path), log_interval=2, profile_steps=0, peak_flops=1e12)
         metrics = MetricsLogger(cfg, runtime, total_steps=STEPS, tokens_per_step=4096, samples_per_step=8,
-                                flops_per_token=6_000_000, run_info={"strategy": "FULL_SHARD", "params": 123},
+                                flops_per_token=6_000_000, strategy="FULL_SHARD", params=123,
                                 hosts=[runtime.hostname], log=lambda _message: None)
         metrics.start()
         batches = [metrics.log_step(step=step, loss=torch.tensor(3.0 / step), lr=1e-4 * step,
@@ -62,8 +62,8 @@ def metrics_run(tmp_path_factory) -> dict:
     finally:
         dist.destroy_process_group()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    return {"batches": [b for b in batches if b], "summary": summary, "jsonl": lines[:-1],
-            "run_config": TrainConfig().model_dump(mode="json")}
+    return {"batches": [b for b in batches if b], "summary": summary.model_dump(), "summary_record": summary,
+            "jsonl": lines[:-1], "run_config": TrainConfig().model_dump(mode="json")}
 
 
 def expected_scalars(record: dict) -> dict[str, float]:
@@ -140,7 +140,7 @@ def test_tensorboard_holds_the_jsonl_scalars_exactly(metrics_run, tmp_path):
     assert {"loss", "lr", "skipped", "mfu", "tokens_per_s"} <= set(expected[1])
     assert steps == expected
     # Written at each log(), not only at close: what the JSONL has, TensorBoard has.
-    tracker.close(metrics_run["summary"])
+    tracker.close(metrics_run["summary_record"])
     events = read_events(tmp_path / "run" / "metrics.tensorboard")
     steps = tensorboard_scalars(events)
     summary, last = metrics_run["summary"], metrics_run["summary"]["last_step"]
@@ -152,20 +152,23 @@ def test_tensorboard_holds_the_jsonl_scalars_exactly(metrics_run, tmp_path):
     assert json.loads(textwrap.dedent(texts["summary/text_summary"])) == summary
 
 
-def test_nested_records_reach_tensorboard_flattened(tmp_path):
+def test_nested_records_reach_tensorboard_flattened(metrics_run, tmp_path):
     tracker = Tracker.create(TrackingConfig(tensorboard_dir=str(tmp_path / "tb")), metrics_file=None,
                              run_config={}, is_main=True)
-    tracker.log([{"step": 4, "loss": 1.5, "skipped": False, "comm_bytes": {"all_gather": 2**40 + 1}}])
-    tracker.close({"event": "summary", "last_step": 4})
-    assert tensorboard_scalars(read_events(tmp_path / "tb"))[4] == {
-        "loss": 1.5, "skipped": 0, "comm_bytes/all_gather": 2**40 + 1, "summary/last_step": 4}
+    record = metrics_run["batches"][0][0].model_copy(
+        update={"step": 4, "loss": 1.5, "skipped": False, "comm_bytes": {"all_gather": 2**40 + 1}})
+    tracker.log([record])
+    tracker.close(metrics_run["summary_record"].model_copy(update={"last_step": 4}))
+    scalars_at_4 = tensorboard_scalars(read_events(tmp_path / "tb"))[4]
+    expected = {"loss": 1.5, "skipped": 0, "comm_bytes/all_gather": 2**40 + 1, "summary/last_step": 4}
+    assert {k: scalars_at_4[k] for k in expected} == expected
 
 
 def test_without_a_metrics_file_or_tensorboard_dir_nothing_is_written(metrics_run, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tracker = Tracker.create(TrackingConfig(), metrics_file=None, run_config={}, is_main=True)
     tracker.log(metrics_run["batches"][0])
-    tracker.close(metrics_run["summary"])
+    tracker.close(metrics_run["summary_record"])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -179,11 +182,11 @@ def test_other_ranks_write_nothing_and_import_nothing(metrics_run, tmp_path, mon
                              run_config=metrics_run["run_config"], is_main=False)
     for batch in metrics_run["batches"]:
         tracker.log(batch)
-    tracker.close(metrics_run["summary"])
+    tracker.close(metrics_run["summary_record"])
     assert list(tmp_path.iterdir()) == []
     # ... whereas the main rank does write, with the same config and calls.
     Tracker.create(TrackingConfig(tensorboard_dir=str(tmp_path / "tb")), metrics_file=None, run_config={},
-                   is_main=True).close(metrics_run["summary"])
+                   is_main=True).close(metrics_run["summary_record"])
     assert list((tmp_path / "tb").iterdir())
 
 
@@ -217,13 +220,14 @@ def test_config_needs_names_and_rejects_unknown_keys():
 
 OFFLINE_RUN = """
 import json, sys
+from trainer.records import StepRecord, SummaryRecord
 from trainer.tracking import Tracker, TrackingConfig
 run = json.loads(open(sys.argv[1]).read())
 tracker = Tracker.create(TrackingConfig.model_validate(run["tracking"]), metrics_file=run["metrics_file"],
                          run_config=run["run_config"], is_main=True)
 for batch in run["batches"]:
-    tracker.log(batch)
-tracker.close(run["summary"])
+    tracker.log([StepRecord.model_validate(record) for record in batch])
+tracker.close(SummaryRecord.model_validate(run["summary"]))
 """
 
 
@@ -244,7 +248,8 @@ def offline_run(metrics_run, tmp_path_factory) -> Path:
         "tracking": {"wandb": {"project": "fsdp-test", "name": "offline-run"},
                      "mlflow": {"experiment": "fsdp-test", "run_name": "file-store-run"}},
         "metrics_file": str(root / "run" / "metrics.jsonl"), "run_config": metrics_run["run_config"],
-        "batches": metrics_run["batches"], "summary": metrics_run["summary"]}))
+        "batches": [[record.model_dump() for record in batch] for batch in metrics_run["batches"]],
+        "summary": metrics_run["summary"]}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "MLFLOW_"))}
     env.update(PYTHONPATH=str(REPO), HOME=str(root / "home"), WANDB_CONFIG_DIR=str(root / "wandb-config"),
                WANDB_CACHE_DIR=str(root / "wandb-cache"), WANDB_DATA_DIR=str(root / "wandb-data"))

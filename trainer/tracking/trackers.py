@@ -15,8 +15,9 @@ import json
 import os
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 from urllib.parse import urlparse
 
 import pydantic
@@ -28,6 +29,7 @@ from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
 from tensorboardX.summary import text
 
 from trainer.errors import ConfigError, Problem
+from trainer.records import EvalRecord, StepRecord, SummaryRecord
 from trainer.tracking.config import MlflowConfig, TrackingConfig, WandbConfig
 
 Scalars = dict[str, int | float]
@@ -218,20 +220,20 @@ class Tracker:
         if problems:
             raise ConfigError(problems)
 
-    def log(self, records: list[dict[str, Any]]) -> None:
-        """The records of one metrics flush (one per optimizer step, key "step"): each numeric field
-        becomes a scalar at that step, named as in the JSONL."""
-        steps = [(record["step"], scalars({k: v for k, v in record.items() if k != "step"}))
-                 for record in records]
+    def log(self, records: Sequence[StepRecord | EvalRecord]) -> None:
+        """The records of one metrics flush (one per optimizer step), or an evaluation's: each numeric
+        field becomes a scalar at the record's step, named as in the JSONL."""
+        steps = [(record.step, scalars(record.model_dump(exclude={"step"}))) for record in records]
         if steps:
             for sink in self.sinks:
                 sink.log(steps)
 
-    def close(self, summary: dict[str, Any]) -> None:
+    def close(self, summary: SummaryRecord) -> None:
         """Write the run summary, flush and close every tracker (all of them, even if one fails)."""
+        fields = summary.model_dump()
         with contextlib.ExitStack() as closing:
             for sink in self.sinks:
-                closing.callback(sink.close, summary)
+                closing.callback(sink.close, fields)
 
 
 def _offline_environment(cfg: TrackingConfig, mlflow_uri: str | None) -> None:

@@ -8,11 +8,16 @@ import subprocess
 
 import pytest
 
-from fsdpctl.checks.bandwidth import GLOO_BUSBW_FLOOR_GBPS, bandwidth_verdict
+from fsdpctl.checks.bandwidth import (
+    GLOO_BUSBW_FLOOR_GBPS,
+    AllReduceMeasurement,
+    as_measurement,
+    bandwidth_verdict,
+)
 from fsdpctl.checks.nccl_tests import (
     ALL_REDUCE_PERF,
+    AllReducePerfRow,
     NcclTestsError,
-    as_bandwidth_result,
     average_bus_bandwidth,
     mpirun_command,
     parse_all_reduce_perf,
@@ -57,22 +62,23 @@ ONE_EFA = (HEADER + row(1073741824, 100661, 10.67, 20.00) + row(2147483648, 2008
 
 def test_parses_the_out_of_place_figures_per_size_and_skips_comments_and_messages():
     rows = parse_all_reduce_perf(TWO_P4D)
-    assert [r["size_bytes"] for r in rows] == [8388608, 16777216, 33554432, 1073741824, 2147483648]
-    assert rows[-1] == {"size_bytes": 2147483648, "algbw_gbps": 41.64, "busbw_gbps": 78.07}
-    assert max(r["busbw_gbps"] for r in rows) == 78.07
+    assert [r.size_bytes for r in rows] == [8388608, 16777216, 33554432, 1073741824, 2147483648]
+    assert rows[-1] == AllReducePerfRow(size_bytes=2147483648, algbw_gbps=41.64, busbw_gbps=78.07)
+    assert max(r.busbw_gbps for r in rows) == 78.07
     assert average_bus_bandwidth(TWO_P4D) == pytest.approx(71.2793)
 
 
 def test_one_efa_figures():
     rows = parse_all_reduce_perf(ONE_EFA)
-    assert [r["busbw_gbps"] for r in rows] == [20.00, 20.05]
+    assert [r.busbw_gbps for r in rows] == [20.00, 20.05]
     assert average_bus_bandwidth(ONE_EFA) == pytest.approx(20.02)
 
 
 def test_older_rows_without_redop_and_root_and_validation_off():
     text = ("#  size  count  type  time  algbw  busbw  error  time  algbw  busbw  error\n"
             "  1048576  262144  float  120.1  8.73  16.37  N/A  119.8  8.75  16.41  N/A\n")
-    assert parse_all_reduce_perf(text) == [{"size_bytes": 1048576, "algbw_gbps": 8.73, "busbw_gbps": 16.37}]
+    assert parse_all_reduce_perf(text) == [AllReducePerfRow(size_bytes=1048576, algbw_gbps=8.73,
+                                                            busbw_gbps=16.37)]
 
 
 @pytest.mark.parametrize(("wrong", "in_place_wrong"), [("3", "0"), ("0", "3"), ("3", "N/A")])
@@ -92,10 +98,20 @@ def test_output_without_result_rows_is_an_error_showing_its_end():
 
 
 def test_result_has_the_shape_the_report_plots():
-    data = as_bandwidth_result(parse_all_reduce_perf(TWO_P4D), world_size=16)
-    assert data["backend"] == "nccl-tests" and data["world_size"] == 16
-    assert data["peak_busbw_gbps"] == 78.07
-    assert set(data["results"][0]) == {"bytes", "algbw_gbps", "busbw_gbps"}
+    data = as_measurement(parse_all_reduce_perf(TWO_P4D), 16, average_bus_bandwidth(TWO_P4D))
+    assert data.backend == "nccl-tests" and data.world_size == 16
+    assert data.peak_busbw_gbps == 78.07 and data.avg_busbw_gbps == pytest.approx(71.2793)
+    assert data.results[0].model_dump(exclude_none=True) == {"bytes": 8388608, "algbw_gbps": 31.43,
+                                                             "busbw_gbps": 58.93}
+
+
+def test_the_trainer_collectives_result_reads_as_the_same_type():
+    """What `python -m trainer.collectives --output` writes (tests/trainer/test_collectives.py runs it)."""
+    written = {"backend": "gloo", "world_size": 2, "nnodes": 2, "device": "cpu", "iters": 10, "warmup": 3,
+               "results": [{"bytes": 4096, "size": "4K", "time_us": 80.5, "algbw_gbps": 0.05,
+                            "busbw_gbps": 0.05}], "peak_busbw_gbps": 0.05}
+    data = AllReduceMeasurement.model_validate(written)
+    assert data.results[0].time_us == 80.5 and data.model_dump(exclude_none=True) == written
 
 
 def test_mpirun_command_runs_one_rank_per_gpu_on_every_host_with_the_nccl_environment():
@@ -137,7 +153,7 @@ def test_mpirun_command_without_an_env_file_and_bad_arguments():
 
 
 def _verdict(text: str, nodes: int = 2):
-    peak = as_bandwidth_result(parse_all_reduce_perf(text), world_size=8 * nodes)["peak_busbw_gbps"]
+    peak = as_measurement(parse_all_reduce_perf(text), 8 * nodes, None).peak_busbw_gbps
     return bandwidth_verdict(peak, world_size=8 * nodes, nodes=nodes, backend="nccl-tests",
                              gate_gbps=P4D_GATE, basis="p4d.24xlarge gate")
 
