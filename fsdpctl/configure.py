@@ -17,8 +17,8 @@ import sys
 import tempfile
 import threading
 from argparse import Namespace
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,22 +31,13 @@ from fsdpctl.errors import EXIT_INTERRUPTED, EXIT_OK, CommandError, UsageError
 from fsdpctl.inventory import write_inventory
 from fsdpctl.processes import processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes
-from fsdpctl.state import ClusterState, ConfigureRecord
+from fsdpctl.state import ClusterState, ConfigureRecord, HostRecap, TaskFailure
 
 PLAYBOOK = "site.yml"
 # Unix socket paths are limited to 107 bytes: Ansible appends "/<10-char hash>" to the directory, and
 # ssh a ".<16 random chars>" suffix while it creates the socket.
 MAX_CONTROL_DIR_LEN = 107 - 11 - 17
 DEFAULT_SKIP_REASON = "Conditional result was False"  # says nothing; other reasons are shown
-
-
-@dataclass
-class HostStats:
-    ok: int = 0  # as in Ansible's recap: includes the changed ones
-    changed: int = 0
-    failed: int = 0
-    skipped: int = 0
-    unreachable: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,19 +48,12 @@ class TaskResult:
     status: str  # ok | changed | skipped | failed | unreachable | ignored
 
 
-@dataclass(frozen=True)
-class TaskFailure:
-    host: str
-    task: str
-    message: str
-
-
 @dataclass
 class ConfigureResult:
     status: str  # ansible-runner's: successful | failed | canceled | timeout
     rc: int
     run_dir: Path
-    hosts: dict[str, HostStats] = field(default_factory=dict)
+    hosts: dict[str, HostRecap] = field(default_factory=dict)
     failures: list[TaskFailure] = field(default_factory=list)
     results: list[TaskResult] = field(default_factory=list)
     output_tail: str = ""  # the end of Ansible's own output, for errors outside any task
@@ -144,7 +128,7 @@ class _EventPrinter:
         line = f"  {status:<11} {host:<{self.width}} {label}"
         if status in ("failed", "unreachable"):
             message = _failure_message(res)
-            self.failures.append(TaskFailure(host, label, message))
+            self.failures.append(TaskFailure(host=host, task=label, message=message))
             line += f"\n      {message}"
         elif status == "skipped" and res.get("skip_reason", DEFAULT_SKIP_REASON) != DEFAULT_SKIP_REASON:
             line += f"  ({res['skip_reason']})"
@@ -242,11 +226,11 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
         finally:
             close_control_masters(control_dir)
     stats = runner.stats or {}
-    hosts: dict[str, HostStats] = {}
+    hosts: dict[str, HostRecap] = {}
     for key, attr in (("ok", "ok"), ("changed", "changed"), ("failures", "failed"), ("skipped", "skipped"),
                       ("dark", "unreachable")):
         for host, count in (stats.get(key) or {}).items():
-            setattr(hosts.setdefault(host, HostStats()), attr, count)
+            setattr(hosts.setdefault(host, HostRecap()), attr, count)
     # A failure a block rescued is not in the recap's failed count; report only hosts that ended failed.
     ended_failed = {h for h, s in hosts.items() if s.failed or s.unreachable}
     result = ConfigureResult(status=runner.status, rc=runner.rc, run_dir=run_dir,
@@ -255,8 +239,7 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
                              results=printer.results, output_tail=_output_tail(run_dir))
     state.update(last_configure=ConfigureRecord(
         time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), ok=result.ok, status=result.status,
-        run_dir=str(run_dir), hosts={h: asdict(s) for h, s in result.hosts.items()},
-        failures=[asdict(f) for f in result.failures]))
+        run_dir=str(run_dir), hosts=result.hosts, failures=result.failures))
     return result
 
 

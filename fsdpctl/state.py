@@ -84,11 +84,25 @@ class Exclusion(_Record):
 
 
 class HostRecap(_Record):
+    """One host's task counts in a playbook run, as Ansible's recap gives them."""
+
     ok: int = 0
+    """Tasks that ran fine, the changed ones included (as in Ansible's recap)."""
     changed: int = 0
     failed: int = 0
     skipped: int = 0
     unreachable: int = 0
+
+
+class TaskFailure(_Record):
+    """A task that failed on a host (or found it unreachable), and Ansible's message."""
+
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    task: str
+    """`role : task name`, or the task name alone outside a role."""
+    message: str
 
 
 class ConfigureRecord(_Record):
@@ -100,7 +114,7 @@ class ConfigureRecord(_Record):
     """ansible-runner's status: successful, failed, canceled or timeout."""
     run_dir: str
     hosts: dict[str, HostRecap] = {}
-    failures: list[dict[str, str]] = []
+    failures: list[TaskFailure] = []
 
 
 class DeployRecord(_Record):
