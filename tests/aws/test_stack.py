@@ -19,7 +19,7 @@ from fsdpctl import lifecycle
 from fsdpctl import state as state_mod
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.targets.aws import stack
-from infra.program import EXPIRES_AT_KEY
+from infra.program import EXPIRES_AT_KEY, OUTPUT_NAMES
 from infra.spec import CLUSTER_TAG, PULUMI_CONFIG_KEY
 
 from .conftest import Ec2Extras, make_spec, seed_image
@@ -127,8 +127,10 @@ def test_down_without_cli_and_without_a_stack_is_clean(no_pulumi, aws, tmp_path,
     Ec2Extras(aws.ec2)
     spec = make_spec()
     state = new_state(tmp_path, spec)
-    assert stack.down(state, spec, out=lambda _: None).clean
-    assert stack.down(state, spec, out=lambda _: None).clean  # and again: still fine
+    said: list[str] = []
+    stack.down(state, spec, out=said.append)
+    stack.down(state, spec, out=said.append)  # and again: still fine
+    assert said.count(f"cluster {spec.name}: nothing left in {spec.region}") == 2
 
 
 class FakeStack:
@@ -219,33 +221,56 @@ OUTPUTS = {
 
 def test_state_from_outputs_with_bastion_and_fsx(tmp_path):
     spec = make_spec(storage={"fsx": {"enabled": True, "mount_point": "/fsx"}})
-    data = stack.state_from_outputs(spec, OUTPUTS, key_file=tmp_path / "k", known_hosts=tmp_path / "kh")
-    assert data["nodes"] == [
-        {"rank": 0, "name": "pf-node0", "address": "10.42.1.10", "instance_id": "i-0aaa"},
-        {"rank": 1, "name": "pf-node1", "address": "10.42.1.11", "instance_id": "i-0bbb"},
+    state = new_state(tmp_path, spec)
+    files = {"key_file": tmp_path / "k", "known_hosts": tmp_path / "kh"}
+    stack.state_from_outputs(spec, OUTPUTS, **files).record(state)
+    record = state.read()
+    assert record.nodes == [
+        state_mod.Node(rank=0, name="pf-node0", address="10.42.1.10", instance_id="i-0aaa"),
+        state_mod.Node(rank=1, name="pf-node1", address="10.42.1.11", instance_id="i-0bbb"),
     ]
-    assert data["ssh"] == {"user": "ubuntu", "key_file": str(tmp_path / "k"),
-                           "known_hosts": str(tmp_path / "kh"), "proxy_jump": "ubuntu@198.51.100.7"}
-    assert data["shared_dir"] == "/fsx"
-    assert data["stack_outputs"] == OUTPUTS
+    assert record.ssh == state_mod.SshSettings(user="ubuntu", key_file=str(tmp_path / "k"),
+                                               known_hosts=str(tmp_path / "kh"),
+                                               proxy_jump="ubuntu@198.51.100.7")
+    assert record.shared_dir == "/fsx"
+    # Every output, those this stack has not (no expiry here) as null: what `fsdpctl inventory` reads.
+    assert record.stack_outputs == {**OUTPUTS, "expires_at": None, "expiry_queue_url": None}
+
+
+def test_stack_outputs_are_the_programs():
+    assert set(stack.StackOutputs.model_fields) == set(OUTPUT_NAMES)
 
 
 def test_state_from_outputs_without_bastion_or_fsx(tmp_path):
     spec = make_spec(access={"bastion": False, "ssh_user": "ec2-user"})
     outputs = {**OUTPUTS, "bastion_public_ip": None, "ssh_user": None}
     data = stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k", known_hosts=tmp_path / "kh")
-    assert data["ssh"]["proxy_jump"] is None and data["ssh"]["user"] == "ec2-user"
-    assert data["shared_dir"] is None
+    assert data.ssh.proxy_jump is None and data.ssh.user == "ec2-user"
+    assert data.shared_dir is None
+
+
+@pytest.mark.parametrize(("outputs", "message"), [
+    ({k: v for k, v in OUTPUTS.items() if k != "nodes"}, r"stack output nodes of cluster pf: Field required"),
+    ({**OUTPUTS, "nodes": [{**OUTPUTS["nodes"][0], "private_ip": None}]},
+     r"stack output nodes\.0\.private_ip of cluster pf: value None: Input should be a valid string"),
+    ({**OUTPUTS, "bastion_public_ip": ["198.51.100.7"]},
+     r"stack output bastion_public_ip of cluster pf: value \['198\.51\.100\.7'\]: Input should be a valid "
+     r"string"),
+])
+def test_a_missing_or_garbled_output_is_named(tmp_path, outputs, message):
+    with pytest.raises(CommandError, match=message + r".*another version of the Pulumi program.*fsdpctl up"):
+        stack.state_from_outputs(make_spec(), outputs, key_file=tmp_path / "k", known_hosts=tmp_path / "kh")
 
 
 def test_state_records_the_expiry_dead_letter_queue(tmp_path):
     url = "https://sqs.us-east-1.amazonaws.com/123456789012/pf-expiry-failures-1a2b3c4"
     files = {"key_file": tmp_path / "k", "known_hosts": tmp_path / "kh"}
-    data = stack.state_from_outputs(make_spec(), {**OUTPUTS, "expiry_queue_url": url}, **files)
-    assert data["expiry_queue_url"] == url
-    no_expiry = stack.state_from_outputs(make_spec(expiry_hours=None), {**OUTPUTS, "expiry_queue_url": None},
-                                         **files)
-    assert no_expiry["expiry_queue_url"] is None
+    state = new_state(tmp_path, make_spec())
+    stack.state_from_outputs(make_spec(), {**OUTPUTS, "expiry_queue_url": url}, **files).record(state)
+    assert state.read().expiry_queue_url == url
+    stack.state_from_outputs(make_spec(expiry_hours=None), {**OUTPUTS, "expiry_queue_url": None},
+                             **files).record(state)
+    assert state.read().expiry_queue_url is None
 
 
 def _dead_letter(aws, url: str, schedule: str, code: str, message: str) -> None:
@@ -271,8 +296,8 @@ def test_status_reports_the_expiry_calls_that_failed(aws, fsdpctl_home, tmp_path
     url = aws.sqs.create_queue(QueueName="pf-expiry-failures-1a2b3c4")["QueueUrl"]
     outputs = {**OUTPUTS, "expiry_queue_url": url, "nodes": [
         {**node, "instance_id": running[node["rank"]]} for node in OUTPUTS["nodes"]]}
-    state.update(**stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k",
-                                            known_hosts=tmp_path / "kh"))
+    stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k",
+                             known_hosts=tmp_path / "kh").record(state)
     assert stack.health(state) == [f"pf-node1: instance {running[1]} is terminated"]
 
     _dead_letter(aws, url, "pf-expiry-node1", "InvalidInstanceID.NotFound",
@@ -540,9 +565,15 @@ def test_extend_refuses_an_expired_cluster_and_one_without_expiry(fake_pulumi, t
 
 
 def test_state_records_the_programs_expiry_output(tmp_path):
+    state = new_state(tmp_path, make_spec())
+    state.update(expires_at="2026-12-03T20:00:00Z")
     outputs = {**OUTPUTS, "expires_at": "2026-12-03T22:00:00Z"}
-    data = stack.state_from_outputs(make_spec(), outputs, key_file=tmp_path / "k", known_hosts=tmp_path)
-    assert data["expires_at"] == "2026-12-03T22:00:00Z"
+    files = {"key_file": tmp_path / "k", "known_hosts": tmp_path}
+    stack.state_from_outputs(make_spec(), outputs, **files).record(state)
+    assert state.read().expires_at == "2026-12-03T22:00:00Z"
+    # A stack that exports no expiry leaves the recorded one as it was.
+    stack.state_from_outputs(make_spec(), OUTPUTS, **files).record(state)
+    assert state.read().expires_at == "2026-12-03T22:00:00Z"
 
 
 def test_status_and_list_show_the_expiry_and_whether_it_passed(fsdpctl_home, tmp_path, capsys):

@@ -16,8 +16,8 @@ def test_status_when_ec2_refuses_the_node_query(aws, tmp_path, monkeypatch, caps
     spec = make_spec()
     state = new_state(tmp_path, spec)
     # Instance ids this account does not have: describe_instances answers InvalidInstanceID.NotFound.
-    state.update(**stack.state_from_outputs(spec, OUTPUTS, key_file=tmp_path / "k",
-                                            known_hosts=tmp_path / "kh"))
+    stack.state_from_outputs(spec, OUTPUTS, key_file=tmp_path / "k",
+                             known_hosts=tmp_path / "kh").record(state)
     assert cli.main(["status", "--cluster", "pf"]) == 0
     out = capsys.readouterr().out
     assert "pf-node0" in out and "10.42.1.11" in out

@@ -31,6 +31,7 @@ from typing import Any
 
 import botocore.exceptions
 import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fsdpctl import state as state_mod
 from fsdpctl.checkout import REPO_ROOT
@@ -222,34 +223,99 @@ def _locked(spec: ClusterSpec, error: Exception, what: str) -> UsageError:
 
 
 # ---- outputs -> state ----------------------------------------------------------------------------
-def state_from_outputs(spec: ClusterSpec, outputs: Mapping[str, Any], *, key_file: Path,
-                       known_hosts: Path) -> dict[str, Any]:
-    """The state fields a cluster gets from its stack outputs (plain values)."""
-    nodes = sorted(outputs.get("nodes") or [], key=lambda n: n["rank"])
-    if [n["rank"] for n in nodes] != list(range(spec.node_count)):
+class StackNode(BaseModel):
+    """One node as the program exports it (`nodes`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rank: int
+    name: str
+    instance_id: str
+    private_ip: str
+    efa_count: int
+
+
+class StackOutputs(BaseModel):
+    """The stack outputs of the Pulumi program (infra/program.py, OUTPUT_NAMES): what `up` reads back.
+    Outputs that a spec does not call for (no bastion, no FSx, no expiry) are null."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    nodes: list[StackNode]
+    bastion_public_ip: str | None = None
+    ssh_user: str | None = None
+    checkpoint_bucket: str | None = None
+    fsx_dns_name: str | None = None
+    fsx_mount_name: str | None = None
+    placement_group: str | None = None
+    security_group_id: str | None = None
+    vpc_id: str | None = None
+    private_subnet_id: str | None = None
+    ami_id: str | None = None
+    key_name: str | None = None
+    expires_at: str | None = None
+    """The program's own view of the expiry (a pinned config value, or its clock resource)."""
+    expiry_queue_url: str | None = None
+
+
+def _parse_outputs(outputs: Mapping[str, object], cluster: str) -> StackOutputs:
+    """The outputs of cluster `cluster`'s stack; CommandError naming the first missing or garbled one."""
+    try:
+        return StackOutputs.model_validate(outputs)
+    except ValidationError as e:
+        error = e.errors()[0]
+        name = ".".join(str(part) for part in error["loc"])
+        shown = f"value {error['input']!r}: " if error["type"] != "missing" else ""
         raise CommandError(
-            f"the stack reports nodes with ranks {[n['rank'] for n in nodes]}, the spec wants "
+            f"stack output {name} of cluster {cluster}: {shown}{error['msg']}; the stack was made by another "
+            f"version of the Pulumi program than this checkout's. Run `fsdpctl up` again (it updates the "
+            f"stack), or `fsdpctl down --cluster {cluster}` to clean up.") from None
+
+
+@dataclass(frozen=True)
+class StackState:
+    """What a cluster's state gets from its stack outputs."""
+
+    nodes: list[state_mod.Node]
+    ssh: state_mod.SshSettings
+    shared_dir: str | None
+    outputs: StackOutputs
+
+    def record(self, state: ClusterState) -> None:
+        """Write these fields into the cluster's state (its expiry only where the program exports
+        one: without it the state keeps what it had)."""
+        expires_at = self.outputs.expires_at
+        state.update(nodes=self.nodes, ssh=self.ssh, shared_dir=self.shared_dir,
+                     stack_outputs=self.outputs.model_dump(mode="json"),
+                     expiry_queue_url=self.outputs.expiry_queue_url,
+                     **({"expires_at": expires_at} if expires_at else {}))
+
+
+def state_from_outputs(spec: ClusterSpec, outputs: Mapping[str, object], *, key_file: Path,
+                       known_hosts: Path) -> StackState:
+    """The state a cluster gets from its stack outputs (plain values, as the Automation API gives
+    them): CommandError naming an output that is missing or garbled, or nodes that are not the spec's."""
+    parsed = _parse_outputs(outputs, spec.name)
+    nodes = sorted(parsed.nodes, key=lambda n: n.rank)
+    if [n.rank for n in nodes] != list(range(spec.node_count)):
+        raise CommandError(
+            f"the stack reports nodes with ranks {[n.rank for n in nodes]}, the spec wants "
             f"{spec.node_count} (0..{spec.node_count - 1}): the Pulumi program and this fsdpctl disagree. "
             f"Run `fsdpctl up` again, or `fsdpctl down --cluster {spec.name}` to clean up.")
-    user = outputs.get("ssh_user") or spec.access.ssh_user
-    bastion = outputs.get("bastion_public_ip")
+    user = parsed.ssh_user or spec.access.ssh_user
+    bastion = parsed.bastion_public_ip
     fsx = spec.storage.fsx
-    return {
-        "nodes": [{"rank": n["rank"], "name": n["name"], "address": n["private_ip"],
-                   "instance_id": n["instance_id"]} for n in nodes],
-        "ssh": {"user": user, "key_file": str(key_file), "known_hosts": str(known_hosts),
-                "proxy_jump": f"{user}@{bastion}" if bastion else None},
-        "shared_dir": fsx.mount_point if fsx.enabled else None,
-        "stack_outputs": dict(outputs),
-        "expiry_queue_url": outputs.get("expiry_queue_url"),
-        # The program's own view (a pinned config value, or its clock resource).
-        **({"expires_at": outputs["expires_at"]} if outputs.get("expires_at") else {}),
-    }
+    return StackState(
+        nodes=[state_mod.Node(rank=n.rank, name=n.name, address=n.private_ip, instance_id=n.instance_id)
+               for n in nodes],
+        ssh=state_mod.SshSettings(user=user, key_file=str(key_file), known_hosts=str(known_hosts),
+                                  proxy_jump=f"{user}@{bastion}" if bastion else None),
+        shared_dir=fsx.mount_point if fsx.enabled else None, outputs=parsed)
 
 
 def _record_outputs(state: ClusterState, spec: ClusterSpec, up_result, key_file: Path) -> None:
     outputs = {name: output.value for name, output in up_result.outputs.items()}
-    state.update(**state_from_outputs(spec, outputs, key_file=key_file, known_hosts=state.known_hosts))
+    state_from_outputs(spec, outputs, key_file=key_file, known_hosts=state.known_hosts).record(state)
 
 
 def _up_failed(spec: ClusterSpec, error: Exception, billing: str = "") -> CommandError:
