@@ -7,6 +7,8 @@ that imports a package's submodule depends on that submodule, not on the package
 from __future__ import annotations
 
 import ast
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,111 @@ def test_the_trainer_never_imports_transformers():
     assert offenders == []
     # The check sees third-party imports at all.
     assert "safetensors" in _third_party_imports(MODULES["trainer.hf.weights"])
+
+
+# ---- typed data across stage boundaries ----------------------------------------------------------
+# What one stage hands the next (a check's result to the report, the trainer's records to fsdpctl,
+# the stack outputs to the state, Ansible's recap to the state) is a typed record, never a
+# dict[str, Any] read by string keys downstream (DEVELOPERS' rule; issue 23).
+STAGE_MODULES = ("fsdpctl.checks", "fsdpctl.configure", "fsdpctl.targets.aws.stack", "trainer.metrics",
+                 "trainer.records")
+# Where untyped data enters from outside and becomes typed: the only public signatures allowed a
+# mapping of Any (or an unparameterised one).
+LOOSE_MAPPINGS_ALLOWED = {
+    "fsdpctl.configure.parse_extra_vars": "Ansible's extra variables (`-e k=v`): free-form by nature, "
+                                          "handed to ansible-runner as they are",
+    "fsdpctl.configure.configure": "the same extra variables, passed through to ansible-runner",
+    "fsdpctl.configure.run_configure": "the same extra variables, passed through to ansible-runner",
+    "fsdpctl.targets.aws.stack.state_from_outputs": "the Automation API's stack outputs are plain JSON "
+                                                    "values; this is where they become StackOutputs",
+    "fsdpctl.targets.aws.stack.DeadLetter.from_message": "an SQS message as boto3 returns it (JSON); "
+                                                         "this is where it becomes a DeadLetter",
+}
+_MAPPINGS = {"dict", "Dict", "Mapping", "MutableMapping"}
+
+
+def _type_name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def loose_mappings(annotation: ast.expr | None) -> list[str]:
+    """The mappings in a type annotation whose values are untyped: `dict[str, Any]`, `Mapping[str,
+    object]`, or a bare `dict` (also inside another type, `list[dict[str, Any]]`)."""
+    if annotation is None:
+        return []
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):  # a quoted annotation
+        annotation = ast.parse(annotation.value, mode="eval").body
+    found, parameterised = [], set()
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Subscript) and _type_name(node.value) in _MAPPINGS:
+            parameterised.add(id(node.value))
+            args = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            if len(args) == 2 and _type_name(args[1]) in ("Any", "object"):
+                found.append(ast.unparse(node))
+    found += [ast.unparse(node) for node in ast.walk(annotation) if isinstance(node, ast.Name | ast.Attribute)
+              and _type_name(node) in _MAPPINGS and id(node) not in parameterised]
+    return found
+
+
+def _public_functions(module: str, tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef]]:
+    """Module-level functions and the methods of module-level classes whose names are public."""
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+            yield f"{module}.{node.name}", node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef) and not item.name.startswith("_"):
+                    yield f"{module}.{node.name}.{item.name}", item
+
+
+def untyped_boundaries(module: str, source: str) -> dict[str, list[str]]:
+    """Each public function of `source` with a loose mapping in a parameter's or its return annotation."""
+    out = {}
+    for name, function in _public_functions(module, ast.parse(source)):
+        args = function.args
+        annotated = [a.annotation for a in [*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                           *filter(None, [args.vararg, args.kwarg])]]
+        loose = [m for annotation in [*annotated, function.returns] for m in loose_mappings(annotation)]
+        if loose:
+            out[name] = loose
+    return out
+
+
+def test_the_boundary_rule_sees_loose_mappings():
+    source = ("def a(x: dict[str, Any]) -> int: ...\n"
+              "def b(x: int) -> list[Mapping[str, object]]: ...\n"
+              "def c(*, x: dict | None = None): ...\n"
+              "def d(x: dict[str, int], y: 'typing.Mapping[str, float]') -> dict[int, list[str]]: ...\n"
+              "def _private(x: dict[str, Any]): ...\n"
+              "class Public:\n    def e(self, **kw: dict[str, Any]): ...\n    def _f(self, x: dict): ...\n"
+              "class _Private:\n    def g(self, x: dict): ...\n"
+              "def h():\n    def nested(x: dict[str, Any]): ...\n")
+    assert untyped_boundaries("m", source) == {"m.a": ["dict[str, Any]"], "m.b": ["Mapping[str, object]"],
+                                               "m.c": ["dict"], "m.Public.e": ["dict[str, Any]"]}
+
+
+def test_no_untyped_mapping_crosses_a_stage_boundary():
+    found = {name: loose for module, path in MODULES.items()
+             if any(module == s or module.startswith(s + ".") for s in STAGE_MODULES)
+             for name, loose in untyped_boundaries(module, path.read_text()).items()}
+    offenders = sorted(f"{name}: {', '.join(loose)}" for name, loose in found.items()
+                       if name not in LOOSE_MAPPINGS_ALLOWED)
+    assert offenders == [], "give these a pydantic model or a dataclass (typed data across stages)"
+    # An entry whose function is gone or typed now goes too.
+    assert sorted(set(LOOSE_MAPPINGS_ALLOWED) - set(found)) == []
+
+
+def test_fsdpctl_reads_the_trainers_records_without_torch():
+    """The operator machine parses the metrics files (fsdpctl/checks) with the trainer's own types;
+    it may have no torch: trainer.records needs pydantic and the standard library only, and the
+    checks import nothing else of the trainer."""
+    assert GRAPH["trainer.records"] == set()
+    assert _third_party_imports(MODULES["trainer.records"]) - set(sys.stdlib_module_names) == {"pydantic"}
+    offenders = sorted(f"{importer} imports {target}" for importer, targets in GRAPH.items()
+                       if importer.startswith("fsdpctl.checks")
+                       for target in targets if target.startswith("trainer") and target != "trainer.records")
+    assert offenders == []
