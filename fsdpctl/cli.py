@@ -26,6 +26,7 @@ from fsdpctl.errors import (
     UsageError,
     missing_package,
 )
+from fsdpctl.state import TARGET_NAMES
 from infra.spec import SpecError
 
 # sub-command -> "module:function"; each function takes the parsed arguments and returns an exit code.
@@ -57,7 +58,6 @@ HANDLERS = {
 # with no positional argument of their own.
 NAMED_FIRST = ("configure", "inventory", "deploy", "smoke", "scale-test", "monitor", "status", "down",
                "extend", "jobs")
-TARGETS = ("aws", "local")
 SHELLS = ("bash", "zsh", "tcsh")
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
 
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("up", "Create the cluster (AWS through Pulumi, or local nodes) and write its inventory.",
              cluster=False)
     spec_argument(sp)
-    sp.add_argument("--target", choices=TARGETS, default="aws",
+    sp.add_argument("--target", choices=TARGET_NAMES, default="aws",
                     help="where the nodes come from: aws (Pulumi) or local (systemd-nspawn nodes here)")
     sp.add_argument("--nodes", type=int, metavar="N",
                     help="local target: number of nodes (overrides node_count)")

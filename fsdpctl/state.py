@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -46,6 +46,9 @@ SCHEMA_VERSION = 1
 """The layout of state.json this fsdpctl writes; a newer one is refused, not misread."""
 
 Target = Literal["aws", "local"]
+"""Where a cluster's nodes come from: the one list of target names (fsdpctl/targets/ has a package
+for each; `fsdpctl up --target` offers these)."""
+TARGET_NAMES: tuple[Target, ...] = get_args(Target)
 
 
 class _Record(BaseModel):

@@ -28,10 +28,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from fsdpctl.console import Out
-from fsdpctl.state import ClusterState
+from fsdpctl.state import TARGET_NAMES, ClusterState
 from infra.spec import ClusterSpec
-
-NAMES = ("aws", "local")
 
 
 class Target(Protocol):
@@ -41,9 +39,9 @@ class Target(Protocol):
     def check_prerequisites(self, action: str) -> None: ...
 
     def up(self, state: ClusterState, spec: ClusterSpec, *, node_count: int,
-           approve: Callable[[str], None], out: Out) -> object: ...
+           approve: Callable[[str], None], out: Out) -> None: ...
 
-    def down(self, state: ClusterState, spec: ClusterSpec, *, force: bool, out: Out) -> object: ...
+    def down(self, state: ClusterState, spec: ClusterSpec, *, force: bool, out: Out) -> None: ...
 
     def health(self, state: ClusterState) -> list[str]: ...
 
@@ -55,11 +53,11 @@ class Target(Protocol):
 
 
 def get(name: str) -> Target:
-    """The target package for a name in NAMES (imported on first use: the local target never loads
+    """The target package for a name in TARGET_NAMES (imported on first use: the local target never loads
     boto3 or Pulumi)."""
-    if name not in NAMES:
-        raise ValueError(f"unknown target {name!r}; targets are {', '.join(NAMES)}")
+    if name not in TARGET_NAMES:
+        raise ValueError(f"unknown target {name!r}; targets are {', '.join(TARGET_NAMES)}")
     return importlib.import_module(f"fsdpctl.targets.{name}")  # type: ignore[return-value]
 
 
-__all__ = ["NAMES", "Target", "get"]
+__all__ = ["Target", "get"]

@@ -599,7 +599,7 @@ def _destroy(spec: ClusterSpec, command, out: Out, *, refresh: bool = False) -> 
     return None
 
 
-def down(state: ClusterState, spec: ClusterSpec, *, force: bool = False, out: Out) -> sweep.SweepReport:
+def down(state: ClusterState, spec: ClusterSpec, *, force: bool = False, out: Out) -> None:
     """Destroy the stack, then sweep for tagged leftovers (deleting them with force). Raises
     CommandError saying what is left and what to run when anything is; safe to run again."""
     try:
@@ -618,7 +618,7 @@ def down(state: ClusterState, spec: ClusterSpec, *, force: bool = False, out: Ou
     if report.clean and not destroy_error:
         kept = "".join(f"; kept {item} (checkpoint_bucket.keep_on_down)" for item in report.kept)
         out(f"cluster {spec.name}: nothing left in {spec.region}{kept}")
-        return report
+        return
     problems = sweep.describe_report(report, spec.name)
     if destroy_error:
         problems = f"  - pulumi destroy did not finish:\n{destroy_error}\n{problems}"
