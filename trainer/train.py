@@ -303,11 +303,6 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
     return summary
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _stop_for_signal(signal_name: str, step: int, checkpoints: CheckpointManager, model, optimizer,
                      extra: dict, log: Callable[[str], None]) -> None:
     """All ranks, at the same step: wait for an in-flight async save, save this step blocking, verify it."""
