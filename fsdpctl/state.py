@@ -8,11 +8,17 @@ Layout under `$FSDPCTL_HOME` (default `~/.fsdpctl`):
     clusters/<name>/*.good           the last copy of spec.yaml and state.json that was read back
                                      whole after writing: what `down --force` falls back on when
                                      the file itself was truncated or edited into garbage
+    clusters/<name>/state.lock       held for each read-modify-write of state.json
     clusters/<name>/inventory.ini    the Ansible inventory (`fsdpctl inventory`)
     clusters/<name>/keys/            SSH keys for the cluster
+    clusters/<name>/known_hosts      the nodes' (and bastion's) host keys, as recorded at `up`
+    clusters/<name>/local/           local target: each node's root file system and machine files
+    clusters/<name>/shared/          local target: the directory every node mounts as the shared one
     locks/<name>.lock                held by the command that changes the cluster or runs on it
                                      (up, down, replace, configure, deploy, smoke, scale-test); it
                                      names the holder, so a second one refuses with who to wait for
+    pulumi/                          aws target: Pulumi's local backend (unless PULUMI_BACKEND_URL
+                                     names another)
     reports/<name>/<time>-<kind>/    one directory per run (configure, smoke, scale-test): logs,
                                      report.json, report.html; kept after `fsdpctl down`
 
