@@ -16,7 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, 
 from fsdpctl.errors import UsageError
 from infra.catalog import CATALOG, offerings
 from infra.catalog import regions as catalog_regions
-from infra.offline import OfflinePlan, Registration
+from infra.offline import OfflinePlan, RecordingMocks, Registration
 from infra.spec import RANK_TAG, parse_yaml, yaml_error_text
 from infra.spec.problems import problems_from_validation
 
@@ -242,10 +242,28 @@ def _market_of(template: Registration, own_reservations: set[str] = frozenset())
     return "on-demand"
 
 
-def estimate_cost(plan: OfflinePlan, prices: PriceTable) -> CostEstimate:
-    """Hourly cost of what the plan would create, read off the resource graph (not the spec), so
-    the estimate prices exactly what `pulumi up` would build."""
-    mocks, region = plan.mocks, plan.spec.region
+@dataclass(frozen=True)
+class _Rates:
+    """The prices that apply in the plan's region, and what to note on a line priced from them."""
+
+    table: RegionPrices
+    instance_hour: dict[str, float]
+    borrowed: str  # the note on a rate taken from the fallback region ("" for the region's own)
+    borrowed_types: frozenset[str]  # instance types priced at the fallback region's rate
+    missing: str  # the note on a line without a price
+    hours_per_month: float
+    currency: str
+
+    def instance_note(self, itype: str) -> str:
+        if itype not in self.instance_hour:
+            return self.missing
+        return self.borrowed if itype in self.borrowed_types else ""
+
+    def service_note(self, price: float | None) -> str:
+        return self.missing if price is None else self.borrowed
+
+
+def _rates(region: str, prices: PriceTable) -> _Rates:
     own = prices.regions.get(region)
     table, borrowed = own, ""
     if own is None and prices.fallback_region in prices.regions:
@@ -259,129 +277,106 @@ def estimate_cost(plan: OfflinePlan, prices: PriceTable) -> CostEstimate:
     small = {}  # the bastion's type at the fallback region's rate
     if borrowed:
         small = {itype: hourly for itype, hourly in table.instance_hour.items() if itype not in CATALOG}
-    instance_hour = {**small, **region_offerings, **(own.instance_hour if own else {})}
-    missing = f"not in the price table for {region}; pass --prices FILE"
-    currency = prices.currency
-    lines: list[CostLine] = []
+    return _Rates(table, {**small, **region_offerings, **(own.instance_hour if own else {})}, borrowed,
+                  frozenset(small), f"not in the price table for {region}; pass --prices FILE",
+                  prices.hours_per_month, prices.currency)
 
+
+def _node_line(template: Registration, count: int, market: str, rates: _Rates) -> CostLine:
+    """The `count` nodes launched from one launch template, priced by how they are bought."""
+    itype = template.inputs.get("instanceType")
+    if market == "spot":
+        # EC2 never bills a spot instance above its max price, which defaults to the on-demand
+        # price; the launch template carries the spec's spot_max_price as its max price.
+        max_price = ((template.inputs.get("instanceMarketOptions") or {}).get("spotOptions") or {}).get(
+            "maxPrice")
+        if max_price is not None:
+            cap, cap_source = float(max_price), "capacity.spot_max_price"
+        else:
+            cap = rates.instance_hour.get(itype)
+            cap_source = "its on-demand price, EC2's default max price"
+        bound = (f"; at most {cap:,.2f} {rates.currency} per instance-hour, {cap_source}" if cap is not None
+                 else f"; no bound: set capacity.spot_max_price, or pass --prices FILE with the "
+                      f"on-demand price of {itype}")
+        return CostLine(f"{itype} spot", count, "instance-hour", None,
+                        f"varies: the spot price of the hour{bound}", max_unit_price=cap)
+    if market == "capacity-block":
+        return CostLine(f"{itype} capacity block", count, "instance-hour", None,
+                        "prepaid when the Capacity Block was bought (its offering has the price); not "
+                        "priced per hour here")
+    note = "" if itype in rates.instance_hour else rates.missing
+    if market == "capacity-reservation":
+        note = note or "reservations bill at the on-demand rate while active, used or not"
+    return CostLine(f"{itype} {market}", count, "instance-hour", rates.instance_hour.get(itype), note)
+
+
+def _instance_lines(mocks: RecordingMocks, rates: _Rates) -> tuple[list[CostLine], float]:
+    """The instances: one line per stand-alone instance (the bastion) and per launch template's nodes;
+    and the GiB of EBS volumes they boot from."""
+    lines: list[CostLine] = []
     ebs_gib = 0.0
-    nodes_by_template = Counter()
+    nodes_by_template: Counter[str] = Counter()
     for instance in mocks.of_type("aws:ec2/instance:Instance"):
         template_ref = (instance.inputs.get("launchTemplate") or {}).get("id")
         if template_ref:
             nodes_by_template[template_ref] += 1
             continue
         itype = instance.inputs.get("instanceType")
-        lines.append(
-            CostLine(
-                f"{itype} ({instance.name})",
-                1,
-                "instance-hour",
-                instance_hour.get(itype),
-                (borrowed if itype in small else "") if itype in instance_hour else missing,
-            )
-        )
+        lines.append(CostLine(f"{itype} ({instance.name})", 1, "instance-hour",
+                              rates.instance_hour.get(itype), rates.instance_note(itype)))
         ebs_gib += float((instance.inputs.get("rootBlockDevice") or {}).get("volumeSize") or 0)
-    own = {r.id for r in mocks.of_type("aws:ec2/capacityReservation:CapacityReservation")}
+    own_reservations = {r.id for r in mocks.of_type(RESERVATION_TYPE)}
     for template_id, count in nodes_by_template.items():
         template = mocks.by_id[template_id]
-        itype, market = template.inputs.get("instanceType"), _market_of(template, own)
         for mapping in template.inputs.get("blockDeviceMappings") or []:
             ebs_gib += count * float((mapping.get("ebs") or {}).get("volumeSize") or 0)
-        if market == "spot":
-            # EC2 never bills a spot instance above its max price, which defaults to the on-demand
-            # price; the launch template carries the spec's spot_max_price as its max price.
-            max_price = ((template.inputs.get("instanceMarketOptions") or {}).get("spotOptions") or {}).get(
-                "maxPrice")
-            if max_price is not None:
-                cap, cap_source = float(max_price), "capacity.spot_max_price"
-            else:
-                cap = instance_hour.get(itype)
-                cap_source = "its on-demand price, EC2's default max price"
-            bound = (f"; at most {cap:,.2f} {currency} per instance-hour, {cap_source}" if cap is not None
-                     else f"; no bound: set capacity.spot_max_price, or pass --prices FILE with the "
-                          f"on-demand price of {itype}")
-            lines.append(
-                CostLine(
-                    f"{itype} spot",
-                    count,
-                    "instance-hour",
-                    None,
-                    f"varies: the spot price of the hour{bound}",
-                    max_unit_price=cap,
-                )
-            )
-        elif market == "capacity-block":
-            lines.append(
-                CostLine(
-                    f"{itype} capacity block",
-                    count,
-                    "instance-hour",
-                    None,
-                    "prepaid when the Capacity Block was bought (its offering has the price); not "
-                    "priced per hour here",
-                )
-            )
-        else:
-            note = "" if itype in instance_hour else missing
-            if market == "capacity-reservation":
-                note = note or "reservations bill at the on-demand rate while active, used or not"
-            lines.append(
-                CostLine(f"{itype} {market}", count, "instance-hour", instance_hour.get(itype), note)
-            )
+        lines.append(_node_line(template, count, _market_of(template, own_reservations), rates))
+    return lines, ebs_gib
+
+
+def _network_lines(mocks: RecordingMocks, rates: _Rates) -> list[CostLine]:
+    """NAT gateways and public IPv4 addresses, which bill by the hour."""
+    lines = []
     nat_count = len(mocks.of_type("aws:ec2/natGateway:NatGateway"))
     if nat_count:
-        lines.append(
-            CostLine(
-                "NAT gateway",
-                nat_count,
-                "gateway-hour",
-                table.nat_gateway_hour,
-                "plus per-GB data processing" + (f" ({borrowed})" if borrowed else ""),
-            )
-        )
+        borrowed = f" ({rates.borrowed})" if rates.borrowed else ""
+        lines.append(CostLine("NAT gateway", nat_count, "gateway-hour", rates.table.nat_gateway_hour,
+                              f"plus per-GB data processing{borrowed}"))
     public_ips = len(mocks.of_type("aws:ec2/eip:Eip")) + sum(
-        1 for i in mocks.of_type("aws:ec2/instance:Instance") if i.inputs.get("associatePublicIpAddress")
-    )
+        1 for i in mocks.of_type("aws:ec2/instance:Instance") if i.inputs.get("associatePublicIpAddress"))
     if public_ips:
-        lines.append(
-            CostLine("public IPv4 address", public_ips, "address-hour", table.public_ipv4_hour,
-                     borrowed)
-        )
+        lines.append(CostLine("public IPv4 address", public_ips, "address-hour", rates.table.public_ipv4_hour,
+                              rates.borrowed))
+    return lines
+
+
+def _storage_lines(mocks: RecordingMocks, ebs_gib: float, rates: _Rates) -> list[CostLine]:
+    """EBS root volumes and FSx for Lustre, priced per GiB-month and shown per hour."""
+    lines = []
     if ebs_gib:
-        gp3 = table.ebs_gp3_gib_month
-        lines.append(
-            CostLine(
-                "EBS gp3 root volumes",
-                ebs_gib,
-                "GiB-hour",
-                None if gp3 is None else gp3 / prices.hours_per_month,
-                borrowed if gp3 is not None else missing,
-            )
-        )
+        gp3 = rates.table.ebs_gp3_gib_month
+        lines.append(CostLine("EBS gp3 root volumes", ebs_gib, "GiB-hour",
+                              None if gp3 is None else gp3 / rates.hours_per_month, rates.service_note(gp3)))
     for lustre in mocks.of_type("aws:fsx/lustreFileSystem:LustreFileSystem"):
         dtype = lustre.inputs.get("deploymentType")
-        tiers = table.fsx_lustre_gib_month.get(dtype) or {}
+        tiers = rates.table.fsx_lustre_gib_month.get(dtype) or {}
         tput = lustre.inputs.get("perUnitStorageThroughput")
         tier = tiers.get(int(tput)) if tput is not None else tiers.get("default")
-        gib = float(lustre.inputs.get("storageCapacity") or 0)
-        lines.append(
-            CostLine(
-                f"FSx for Lustre {dtype}" + (f" {int(tput)} MB/s/TiB" if tput else ""),
-                gib,
-                "GiB-hour",
-                None if tier is None else tier / prices.hours_per_month,
-                borrowed if tier is not None else missing,
-            )
-        )
-    return CostEstimate(
-        lines=lines,
-        as_of=prices.as_of,
-        source=prices.source,
-        currency=currency,
-        overridden=prices.override_file is not None,
-    )
+        per_hour = None if tier is None else tier / rates.hours_per_month
+        lines.append(CostLine(f"FSx for Lustre {dtype}" + (f" {int(tput)} MB/s/TiB" if tput else ""),
+                              float(lustre.inputs.get("storageCapacity") or 0), "GiB-hour", per_hour,
+                              rates.service_note(tier)))
+    return lines
 
+
+def estimate_cost(plan: OfflinePlan, prices: PriceTable) -> CostEstimate:
+    """Hourly cost of what the plan would create, read off the resource graph (not the spec), so
+    the estimate prices exactly what `pulumi up` would build."""
+    rates = _rates(plan.spec.region, prices)
+    instance_lines, ebs_gib = _instance_lines(plan.mocks, rates)
+    lines = [*instance_lines, *_network_lines(plan.mocks, rates), *_storage_lines(plan.mocks, ebs_gib, rates)]
+    return CostEstimate(lines=lines, as_of=prices.as_of, source=prices.source, currency=prices.currency,
+                        overridden=prices.override_file is not None)
 
 
 # What bills by the hour (or by the GiB-month) while it exists.
