@@ -18,18 +18,8 @@ from infra.catalog import CATALOG, offerings
 from infra.catalog import regions as catalog_regions
 from infra.offline import OfflinePlan, RecordingMocks, Registration
 from infra.spec import RANK_TAG, parse_yaml, yaml_error_text
+from infra.spec.load import deep_merge
 from infra.spec.problems import problems_from_validation
-
-
-def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
 
 Price = Annotated[float, Field(ge=0)]
 """A price in the table's currency: 0 or more (a negative one would make a total of nothing)."""
@@ -103,7 +93,7 @@ def load_prices(override: Path | None = None) -> PriceTable:
                          "--prices") from None
     if not isinstance(extra, dict):
         raise UsageError(f"price table {override} must be a YAML mapping shaped like infra/data/prices.yaml")
-    merged = _deep_merge(table, extra)
+    merged = deep_merge(table, extra)
     if "source" not in extra:
         merged["source"] = f"{table.get('source', 'built-in table')}, with {override} merged over it"
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from infra.spec.model import ClusterSpec
 from infra.spec.problems import Problem, SpecError, problems_from_validation
@@ -67,6 +67,29 @@ def parse_yaml(text: str) -> Any:
     return data
 
 
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` over `base`, mappings merged key by key at every depth."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def with_section_defaults(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A raw spec with the defaults of its sections (capacity, access, storage, ...) under what it
+    gives, as validation would fill them in; what is not a mapping is left for validation to refuse."""
+    filled = dict(data)
+    for name, field in ClusterSpec.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        given = data.get(name, {})
+        if isinstance(default, BaseModel) and isinstance(given, Mapping):
+            filled[name] = deep_merge(default.model_dump(mode="json"), given)
+    return filled
+
+
 def parse_spec(data: Mapping[str, Any], source: str = "cluster spec") -> ClusterSpec:
     """Validate a mapping (YAML file or Pulumi config object) into a spec, or raise SpecError
     listing every problem."""
@@ -80,7 +103,8 @@ def parse_spec(data: Mapping[str, Any], source: str = "cluster spec") -> Cluster
     except ValidationError as e:
         problems = problems_from_validation(e, ClusterSpec)
     seen = {(p.field, p.message) for p in problems}
-    problems += [p for p in cross_field_problems(data) if (p.field, p.message) not in seen]
+    problems += [p for p in cross_field_problems(with_section_defaults(data))
+                 if (p.field, p.message) not in seen]
     raise SpecError(problems, source) from None
 
 

@@ -13,8 +13,9 @@ from infra.spec.problems import Problem
 
 
 def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
-    """Checks that need more than one field. Works on raw (possibly invalid) input so that a spec
-    with both a bad field and a bad combination reports both at once."""
+    """Checks that need more than one field. Works on raw (possibly invalid) input, with each
+    section's defaults filled in under it (`load.with_section_defaults`: model.py states each default
+    once), so that a spec with both a bad field and a bad combination reports both at once."""
     problems: list[Problem] = []
 
     def sub(key: str) -> Mapping[str, Any]:
@@ -45,7 +46,7 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
             pass  # reported by the field validator
 
     capacity = sub("capacity")
-    ctype, reservation = capacity.get("type", "on-demand"), capacity.get("reservation_id")
+    ctype, reservation = capacity.get("type"), capacity.get("reservation_id")
     if ctype == "spot" and reservation:
         problems.append(Problem(
             "capacity.reservation_id", reservation, "cannot be combined with capacity.type spot",
@@ -72,16 +73,16 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
             "an existing VPC needs both vpc_id and private_subnet_id",
             "give both, or neither to let the program create the network"))
     access = sub("access")
-    if has_vpc and access.get("bastion", True) and not network.get("public_subnet_id"):
+    if has_vpc and access.get("bastion") and not network.get("public_subnet_id"):
         problems.append(Problem(
             "network.public_subnet_id", None, "a bastion in an existing VPC needs a public subnet",
             "give network.public_subnet_id, or set access.bastion: false and use SSM"))
-    if not access.get("bastion", True) and not access.get("ssm", True):
+    if not access.get("bastion") and not access.get("ssm"):
         problems.append(Problem(
             "access", {"bastion": False, "ssm": False}, "leaves no way to reach the private nodes",
             "enable access.bastion or access.ssm"))
-    ssh_user = access.get("ssh_user", "ubuntu")
-    if access.get("bastion", True) and isinstance(ssh_user, str) and ssh_user not in BASTION_SSM_PARAMETERS:
+    ssh_user = access.get("ssh_user")
+    if access.get("bastion") and isinstance(ssh_user, str) and ssh_user not in BASTION_SSM_PARAMETERS:
         problems.append(Problem(
             "access.ssh_user", ssh_user,
             "has no matching bastion image (the bastion logs in as the same user)",
@@ -99,15 +100,15 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
 
 def _fsx_problems(fsx: Mapping[str, Any]) -> list[Problem]:
     problems = []
-    dtype = fsx.get("deployment_type", "PERSISTENT_2")
-    cap = fsx.get("capacity_gib", 1200)
+    dtype = fsx.get("deployment_type")
+    cap = fsx.get("capacity_gib")
     if isinstance(cap, int) and not (cap in (1200, 2400) or (cap > 2400 and cap % 2400 == 0)):
         lower = max(1200, (cap // 2400) * 2400) if cap > 1200 else 1200
         upper = 2400 if cap < 2400 else lower + 2400
         problems.append(Problem(
             "storage.fsx.capacity_gib", cap, f"is not a size FSx for Lustre {dtype} accepts "
             "(1200, 2400, then steps of 2400 GiB)", f"use {lower} or {upper}"))
-    tput = fsx.get("throughput_per_tib", 250)
+    tput = fsx.get("throughput_per_tib")
     allowed = FSX_PERSISTENT_THROUGHPUTS.get(dtype)
     if allowed and tput not in allowed:
         problems.append(Problem(

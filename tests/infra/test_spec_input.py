@@ -122,3 +122,14 @@ def test_pydantic_errors_are_in_the_specs_own_words(change, field, said):
     problems = problems_of(demo_data(**change))
     assert problems[field] == said
     assert not any("Input should" in p or "instance of" in p for p in problems.values())
+
+
+def test_a_combination_with_a_default_is_refused_next_to_a_bad_field():
+    # node_count 0 fails validation, so the combinations are checked on the raw input: the bastion
+    # (on by default, model.py) in an existing VPC without a public subnet is found all the same,
+    # and so is the FSx size for the default deployment type.
+    data = {k: v for k, v in demo_data(node_count=0).items() if k not in ("access", "network", "storage")}
+    problems = problems_of({**data, "network": {"vpc_id": "vpc-0abc", "private_subnet_id": "subnet-0abc"},
+                            "storage": {"fsx": {"enabled": True, "capacity_gib": 1300}}})
+    assert {"node_count", "network.public_subnet_id", "storage.fsx.capacity_gib"} <= set(problems)
+    assert "PERSISTENT_2" in problems["storage.fsx.capacity_gib"]
