@@ -136,7 +136,7 @@ def run_config(argv: list[str], architecture: Path | None = None) -> dict:
         return {"config": config, "config_error": f"{type(e).__name__}: {e}"}
     return {"config": config, "seq_len": cfg.data.seq_len, "steps": cfg.training.steps,
             "tokens_per_step": cfg.training.global_batch_size * cfg.data.seq_len,
-            "flops_per_token": cfg.model.flops_per_token(cfg.data.seq_len), "params": cfg.model.num_params,
+            "flops_per_token": cfg.flops_per_token(), "params": cfg.model.num_params,
             "active_params": cfg.model.active_params,
             "compile": cfg.parallel.compile, "param_dtype": cfg.parallel.param_dtype,
             "peak_flops_override": cfg.metrics.peak_flops}

@@ -159,7 +159,7 @@ def worker(args) -> None:
     if runtime.is_main:
         peak = device_peak_flops(runtime.device, cfg.metrics.peak_flops)
         out = {name: {"step_time_s": s, "tokens_per_s": tokens_per_step / s,
-                      "mfu": (cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step / s
+                      "mfu": (cfg.flops_per_token() * tokens_per_step / s
                               / (world * peak)) if peak else None}
                for name, s in results.items()}
         Path(args.worker_output).write_text(json.dumps(out))

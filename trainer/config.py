@@ -243,13 +243,30 @@ class ModelConfig(_Section):
         return (self.n_layers * per_layer + (self.n_layers - sparse) * dense_ffn + sparse * moe_ffn
                 + self.embedding_params + self.dim + output)
 
-    def flops_per_token(self, seq_len: int) -> int:
+    def flops_per_token(self, seq_len: int, *, frozen_weights: bool = False) -> int:
         """Training FLOPs per token (forward + backward), PaLM appendix B: the matmul FLOPs of the
         non-embedding parameters a token uses (the active ones: k of n experts; the output
-        projection counts, tied or not) plus the attention score/value products."""
+        projection counts, tied or not) plus the attention score/value products. 6 per parameter
+        is 2 forward, 2 for the gradient of the input and 2 for the weight's; `frozen_weights`
+        (LoRA's base) have no weight gradient, so 4."""
         attention = 6 * self.n_layers * self.n_heads * (2 * self.head_size) * seq_len
         output = self.embedding_params if self.tie_embeddings else 0
-        return 6 * (self.active_params - self.embedding_params + output) + attention
+        per_param = 4 if frozen_weights else 6
+        return per_param * (self.active_params - self.embedding_params + output) + attention
+
+    def lora_shapes(self, targets: list[str]) -> list[tuple[int, int]]:
+        """(in, out) of every projection LoRA adapts for `targets` (Hugging Face module names):
+        attention in every block, the feed-forward in dense blocks only (experts stay frozen)."""
+        q, kv = self.n_heads * self.head_size, self.kv_heads * self.head_size
+        attention = {"q_proj": (self.dim, q), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv),
+                     "o_proj": (q, self.dim)}
+        dense = {"gate_proj": (self.dim, self.ffn_dim), "up_proj": (self.dim, self.ffn_dim),
+                 "down_proj": (self.ffn_dim, self.dim)}
+        shapes = []
+        for layer in range(self.n_layers):
+            modules = attention if self.is_moe_layer(layer) else {**attention, **dense}
+            shapes += [modules[name] for name in targets if name in modules]
+        return shapes
 
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -438,6 +455,16 @@ class TrainConfig(_Section):
     """Validation loss during training."""
     tracking: TrackingConfig = TrackingConfig()
     """TensorBoard always; Weights & Biases or MLflow when configured."""
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token of this run, what its MFU divides by: the model's at data.seq_len;
+        with LoRA the base weights frozen (no weight gradient) and 6 per adapter parameter."""
+        lora = self.parallel.lora
+        if not lora.enabled:
+            return self.model.flops_per_token(self.data.seq_len)
+        adapters = sum(lora.rank * (fan_in + fan_out)
+                       for fan_in, fan_out in self.model.lora_shapes(lora.target_modules))
+        return self.model.flops_per_token(self.data.seq_len, frozen_weights=True) + 6 * adapters
 
     @model_validator(mode="after")
     def _cross_section(self) -> TrainConfig:

@@ -245,7 +245,7 @@ def run(cfg: TrainConfig, runtime: Runtime, prepared: Prepared, *, print_shardin
         cfg.metrics, runtime, total_steps=cfg.training.steps,
         tokens_per_step=cfg.training.global_batch_size * cfg.data.seq_len,
         samples_per_step=cfg.training.global_batch_size,
-        flops_per_token=cfg.model.flops_per_token(cfg.data.seq_len),
+        flops_per_token=cfg.flops_per_token(),
         strategy=str(cfg.parallel.strategy), params=cfg.model.num_params, hosts=hosts, log=main_log)
     rank_metrics = RankMetrics.create(cfg.metrics, runtime)  # Prometheus textfile (docs/monitoring.md)
     tracker = Tracker.create(cfg.tracking, metrics_file=cfg.metrics.file,

@@ -1,8 +1,9 @@
 """`fsdpctl plan SPEC --tokens N`: how long training on N tokens takes and what it costs, on the
 planned cluster and on the cheapest cluster that fits.
 
-Time is N x the config's training FLOPs per token (trainer.config's flops_per_token: 6 x the active
-non-embedding parameters plus attention, as the trainer's MFU metric counts them) over the cluster's
+Time is N x the config's training FLOPs per token (TrainConfig.flops_per_token: 6 x the active
+non-embedding parameters, 4 x those LoRA freezes, plus attention, as the trainer's MFU metric counts
+them) over the cluster's
 GPUs x their dense bf16 peak (infra/data/instance_types.yaml) x the MFU; dollars are that time at the
 cluster's hourly cost from the price table (`cost.py`, the whole graph as `fsdpctl plan` prices it).
 
@@ -279,7 +280,7 @@ def plan_tokens(spec: ClusterSpec, spec_cost: CostEstimate, prices: PriceTable, 
                                         "far below the dense bf16 peak the time is figured from; name a bf16 "
                                         "config with --trainer-config (the presets are bf16)")
     mfu, mfu_source = choose_mfu(config, cfg.parallel.compile, mfu_override)
-    flops_per_token = cfg.model.flops_per_token(cfg.data.seq_len)
+    flops_per_token = cfg.flops_per_token()
     work = float(tokens) * flops_per_token
 
     on_spec, on_spec_problem = None, sizes.problem(world_size, ranks_per_node)
@@ -335,7 +336,7 @@ def render_tokens(plan: TokensPlan | TokensNotPlanned) -> str:
         return "\n".join(wrapped(f"Training on {plan.tokens:,} tokens: not computed: {plan.skipped}"))
     out = wrapped(f"Training on {plan.tokens:,} tokens (--tokens) with trainer config {plan.config}: "
                   f"{plan.flops_per_token / 1e9:,.4g} GFLOP per token (6 per active non-embedding parameter, "
-                  f"plus attention at seq_len {plan.seq_len}), at "
+                  f"4 per one LoRA freezes, plus attention at seq_len {plan.seq_len}), at "
                   f"{plan.mfu:.1%} MFU of the GPUs' dense bf16 peak ({plan.mfu_source}).")
     if plan.on_spec is None:
         out += wrapped(f"On this cluster: {plan.on_spec_problem}", 2)

@@ -129,3 +129,28 @@ def test_every_config_key_has_a_docstring():
         return found
 
     assert undocumented(TrainConfig) == []
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_lora_flops_count_no_weight_gradient_for_the_frozen_base(moe):
+    # 6 FLOPs per parameter per token is 2 forward, 2 for the input's gradient and 2 for the weight's;
+    # LoRA's frozen base needs no weight gradient. The adapters counted from the config are those
+    # apply_lora makes (attention everywhere, feed-forward in dense blocks only).
+    import torch
+
+    from trainer.lora import apply_lora
+    from trainer.model import build_model
+
+    shape = ["model.n_experts=4", "model.n_active_experts=2", "model.moe_ffn_dim=32",
+             "model.moe_layers=[1]"] if moe else []
+    cfg = load_config("tiny", [*shape, "parallel.lora.rank=4"])
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.parallel.lora, torch.float32)
+    adapters = sum(p.numel() for name, p in model.named_parameters() if name.endswith((".lora_a", ".lora_b")))
+    assert adapters == sum(4 * (i + o) for i, o in cfg.model.lora_shapes(cfg.parallel.lora.target_modules))
+    full = cfg.model.flops_per_token(cfg.data.seq_len)
+    frozen = cfg.model.flops_per_token(cfg.data.seq_len, frozen_weights=True)
+    attention = 6 * cfg.model.n_layers * cfg.model.n_heads * 2 * cfg.model.head_size * cfg.data.seq_len
+    assert (frozen - attention) * 6 == (full - attention) * 4
+    assert cfg.flops_per_token() == frozen + 6 * adapters < full
+    assert load_config("tiny", shape).flops_per_token() == full
