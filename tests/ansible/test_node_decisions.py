@@ -4,6 +4,9 @@ Ansible's templating exactly as the tasks write them, with the variables of a p4
 
 from __future__ import annotations
 
+import base64
+import json
+import re
 from typing import Any
 
 import pytest
@@ -102,6 +105,129 @@ def test_gdrcopy_packages_install_in_one_transaction(gpu_node):
         {**gpu_node("p4d.24xlarge"), "cuda_gdrcopy_debs": {"files": [{"path": p} for p in reversed(debs)]}},
     )
     assert argv[:2] == ["apt-get", "install"] and sorted(argv[-4:]) == sorted(debs)
+
+
+# ---------------------------------------------------------------------------------------- CUDA toolkit
+@pytest.mark.parametrize(
+    ("found", "adopted"),
+    [
+        ("12.9.1", True),  # the DLAMI's runfile toolkit (no package owns it) or the pinned package's
+        ("12.9.2", True),  # newer patch release: kept, never downgraded
+        ("12.9.0", False),  # older: the pinned package upgrades it
+        (None, False),  # no /usr/local/cuda-12.9
+    ],
+)
+def test_cuda_toolkit_is_adopted_whatever_installed_it(gpu_node, found, adopted):
+    version_json = (
+        {
+            "content": base64.b64encode(
+                json.dumps({"cuda": {"name": "CUDA SDK", "version": found}}).encode()
+            ).decode()
+        }
+        if found
+        else {"failed": True, "msg": "file not found: /usr/local/cuda-12.9/version.json"}
+    )
+    variables = gpu_node("p4d.24xlarge", cuda_version="12.9.1", cuda_version_json=version_json)
+    decide = "Decide whether to adopt the node's CUDA toolkit"
+    assert evaluate("cuda", "toolkit.yml", decide, "cuda_toolkit_adopted", variables) is adopted
+    install = "Install CUDA toolkit {{ cuda_version }}"
+    assert evaluate(
+        "cuda", "toolkit.yml", install, "when", {**variables, "cuda_toolkit_adopted": adopted}
+    ) is (not adopted)
+
+
+# ------------------------------------------------------------------------------------------- holds
+def test_installed_kernel_and_nvidia_packages_are_held_once(gpu_node):
+    dpkg = [
+        "linux-image-6.8.0-1021-aws install installed",
+        "nvidia-fabricmanager hold installed",  # held by an earlier run: not held again
+        "libnvidia-nscq install installed",
+        "nvidia-utils-580-server deinstall config-files",  # removed: nothing to hold
+        "libnccl2 hold installed",  # the nccl role's hold, not a kernel or NVIDIA package
+        "curl install installed",
+    ]
+    variables = gpu_node("p4d.24xlarge", common_hold_query={"stdout_lines": dpkg})
+    matching = evaluate(
+        "common",
+        "hold.yml",
+        "Find the installed kernel and NVIDIA packages",
+        "common_hold_matching",
+        variables,
+    )
+    assert [m[0] for m in matching] == [
+        "linux-image-6.8.0-1021-aws",
+        "nvidia-fabricmanager",
+        "libnvidia-nscq",
+    ]
+    hold = task("common", "hold.yml", "Hold the installed kernel and NVIDIA packages")
+    scope = {**variables, "common_hold_matching": matching}
+    assert render(hold["vars"]["common_hold_new"], scope) == ["linux-image-6.8.0-1021-aws", "libnvidia-nscq"]
+    # the second run finds them held: nothing to do
+    held = [[m[0], "hold", "installed"] for m in matching]
+    assert (
+        evaluate("common", "hold.yml", hold["name"], "when", {**variables, "common_hold_matching": held})
+        is False
+    )
+
+
+# Tasks that change a package the common role (or their own role) holds, on purpose.
+CHANGES_HELD_PACKAGES = [
+    ("nvidia", "driver.yml", "Install the driver packages of the branch"),
+    ("nvidia", "fabricmanager.yml", "Install Fabric Manager at the driver's version"),
+    ("nccl", "nccl.yml", "Install or upgrade NCCL from NVIDIA's CUDA repository"),
+]
+
+
+def test_packages_held_against_drift_are_still_changed_on_purpose(gpu_node):
+    variables = gpu_node(
+        "p4d.24xlarge",
+        nvidia_driver_source="ubuntu",
+        nvidia_smi_running={"rc": 0, "stdout_lines": ["580.95.05"]},
+        nvidia_fm_version={"rc": 1, "stdout": ""},
+    )
+    held = re.compile("|".join(render("{{ common_hold_patterns }}", variables)))
+    fabric_manager = evaluate(
+        "nvidia", "fabricmanager.yml", "Decide the Fabric Manager packages", "nvidia_fm_specs", variables
+    )
+    nvidia_packages = render("{{ nvidia_driver_packages }}", variables) + [
+        s.split("=")[0] for s in fabric_manager
+    ]
+    assert all(held.match(name) for name in nvidia_packages), nvidia_packages
+    assert task("nccl", "nccl.yml", "Hold NCCL at the installed version")["loop"] == [
+        "libnccl2",
+        "libnccl-dev",
+    ]
+    for role, tasks_file, name in CHANGES_HELD_PACKAGES:
+        assert (
+            task(role, tasks_file, name)["ansible.builtin.apt"].get("allow_change_held_packages") is True
+        ), name
+    # and held again after the change, with whatever the install brought
+    rehold = "Hold the new driver and Fabric Manager packages"
+    assert task("nvidia", "driver.yml", rehold)["ansible.builtin.include_role"] == {
+        "name": "common",
+        "tasks_from": "hold",
+    }
+    for install, fabric_manager_install, rehold_runs in [
+        ({"changed": True}, None, True),
+        ({"changed": False, "skipped": True}, {"changed": True}, True),
+        ({"changed": False, "skipped": True}, {"changed": False}, False),
+        ({"changed": False, "skipped": True}, None, False),  # no NVSwitch: no Fabric Manager task ran
+    ]:
+        scope = {**variables, "nvidia_install": install}
+        if fabric_manager_install is not None:
+            scope["nvidia_fm_install"] = fabric_manager_install
+        assert evaluate("nvidia", "driver.yml", rehold, "when", scope) is rehold_runs
+
+
+def test_only_fabric_manager_may_be_downgraded(gpu_node):
+    # Fabric Manager must equal the driver's version, older or newer; everything else is upgrade-only
+    downgrading = [
+        (path.parent.parent.name, path.name, t.get("name"))
+        for path in sorted(ROLES_DIR.glob("*/tasks/*.yml"))
+        for t in _tasks(path.parent.parent.name, path.name)
+        if (t.get("ansible.builtin.apt") or {}).get("allow_downgrade")
+    ]
+    assert downgrading == [("nvidia", "fabricmanager.yml", "Install Fabric Manager at the driver's version")]
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -226,7 +352,7 @@ def test_aws_ofi_nccl_version_is_read_from_the_installed_plugin(gpu_node):
     )
     version = evaluate(
         "efa",
-        "verify.yml",
+        "installed.yml",
         "Record the installed aws-ofi-nccl version (the nccl role's environment depends on it)",
         "efa_aws_ofi_nccl_version",
         variables,
@@ -253,6 +379,83 @@ def test_every_process_finds_aws_ofi_nccl(gpu_node):
     # an older plugin named libnccl-net.so is NCCL's default: no NCCL_NET_PLUGIN
     plain = gpu_node("p5.48xlarge", efa_ofi_nccl_plugin_name="")
     assert "NCCL_NET_PLUGIN" not in render_template("nccl", "nccl.env.j2", plain)
+
+
+@pytest.mark.parametrize(
+    ("dpkg", "action", "installs"),
+    [
+        ("", "install", "pin"),
+        ("config-files 2.27.7-1+cuda12.9", "install", "pin"),  # removed, configuration left
+        ("installed 2.27.7-1+cuda12.9", "upgrade", "pin"),  # older: upgraded to the pin (over its hold)
+        ("installed 2.29.3-1+cuda12.9", "keep", "2.29.3-1+cuda12.9"),
+        ("installed 2.29.3-1+cuda12.8", "keep", "2.29.3-1+cuda12.8"),  # the pinned NCCL for another CUDA
+        ("installed 2.30.1-1+cuda12.9", "keep", "2.30.1-1+cuda12.9"),  # newer: never downgraded
+    ],
+)
+def test_nccl_is_upgraded_to_the_pin_and_never_downgraded(gpu_node, dpkg, action, installs):
+    variables = gpu_node(
+        "p4d.24xlarge", nccl_installed={"rc": 0 if dpkg else 1, "stdout": dpkg}, fsdp_nccl_version="2.29.3-1"
+    )
+    pin = render("{{ nccl_package_version }}", variables)
+    assert pin == "2.29.3-1+cuda12.9"
+    name = "Decide whether to install, upgrade or keep NCCL"
+    assert evaluate("nccl", "nccl.yml", name, "nccl_action", variables) == action
+    assert evaluate("nccl", "nccl.yml", name, "nccl_install_version", variables) == (
+        pin if installs == "pin" else installs
+    )
+    install = task("nccl", "nccl.yml", "Install or upgrade NCCL from NVIDIA's CUDA repository")
+    names = [
+        render(n, {**variables, "nccl_install_version": "V"}) for n in install["ansible.builtin.apt"]["name"]
+    ]
+    assert names == ["libnccl2=V", "libnccl-dev=V"]
+
+
+MISSING_PLUGIN = "Fail without aws-ofi-nccl on an EFA node"
+
+
+def test_an_efa_node_without_aws_ofi_nccl_fails_instead_of_guessing_its_version(gpu_node):
+    # the efa role read what the node has: libnccl-ofi not installed, libfabric 2.4.0
+    variables = gpu_node(
+        "p4d.24xlarge", efa_aws_ofi_nccl_version="", efa_libfabric_version="2.4.0", ansible_check_mode=False
+    )
+    assert render("{{ nccl_aws_ofi_nccl_version | trim }}", variables) == ""  # not the installer pin's 1.14.0
+    assert evaluate("nccl", "environment.yml", MISSING_PLUGIN, "when", variables) is True
+    message = " ".join(
+        render(
+            task("nccl", "environment.yml", MISSING_PLUGIN)["ansible.builtin.fail"]["msg"], variables
+        ).split()
+    )
+    assert "the aws-ofi-nccl package libnccl-ofi is not installed and libfabric is 2.4.0" in message
+    assert "Install them with the EFA installer, which ships the libnccl-ofi package" in message
+    assert "--tags efa,nccl" in message
+    installed = {**variables, "efa_aws_ofi_nccl_version": "1.18.0"}
+    assert evaluate("nccl", "environment.yml", MISSING_PLUGIN, "when", installed) is False
+    # a check run on a fresh node previews the environment for the installer pin's versions
+    check = {**variables, "ansible_check_mode": True}
+    assert render("{{ nccl_aws_ofi_nccl_version | trim }}", check) == "1.14.0"
+    assert evaluate("nccl", "environment.yml", MISSING_PLUGIN, "when", check) is False
+    # a GPU node without EFA reads nothing: its environment follows the installer pin
+    no_efa = {
+        **{k: v for k, v in variables.items() if not k.startswith("efa_")},
+        "fsdp_hardware": {**variables["fsdp_hardware"], "efa_count": 0},
+    }
+    assert render("{{ nccl_aws_ofi_nccl_version | trim }}", no_efa) == "1.14.0"
+    assert evaluate("nccl", "environment.yml", MISSING_PLUGIN, "when", no_efa) is False
+
+
+def test_the_nccl_role_reads_the_efa_software_itself_when_run_alone(gpu_node):
+    # --tags nccl: the efa role did not run in this play, so its facts are not there yet
+    read = "Read the EFA software the node has (the environment is written for its versions)"
+    assert task("nccl", "environment.yml", read)["ansible.builtin.include_role"] == {
+        "name": "efa",
+        "tasks_from": "installed",
+    }
+    variables = gpu_node("p4d.24xlarge")
+    assert evaluate("nccl", "environment.yml", read, "when", variables) is True
+    assert (
+        evaluate("nccl", "environment.yml", read, "when", {**variables, "efa_aws_ofi_nccl_version": ""})
+        is False
+    )
 
 
 LDD_OK = """\tlinux-vdso.so.1 (0x00007ffc1a3f2000)

@@ -4,6 +4,7 @@ hardware detected from an instance-like sysfs)."""
 
 from __future__ import annotations
 
+import configparser
 import re
 import subprocess
 
@@ -47,9 +48,9 @@ def test_every_template_renders(gpu_node, instance_type, template):
 def test_nccl_environment_for_the_pinned_versions(gpu_node, instance_type):
     text = render_template("nccl", "nccl.env.j2", gpu_node(instance_type))
     env = dict(re.findall(r'^([A-Z_]+)="([^"]*)"$', text, re.MULTILINE))
-    # current pins (EFA installer 1.47.0: libfabric >= 2.1, aws-ofi-nccl >= 1.14; NCCL 2.29): only these
+    # current pins (EFA installer 1.47.0: libfabric >= 2.1, aws-ofi-nccl >= 1.14; NCCL 2.29): only these;
+    # FI_EFA_USE_HUGE_PAGE only when asked for (nccl_efa_disable_huge_pages)
     assert env == {
-        "FI_EFA_USE_HUGE_PAGE": "0",
         "NCCL_SOCKET_IFNAME": "^docker,lo,veth",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
@@ -70,8 +71,8 @@ def test_nccl_environment_for_the_pinned_versions(gpu_node, instance_type):
         ),
         # aws-ofi-nccl <= 1.5: efa provider and simple protocol pinned; no sync-memops switch before NCCL 2.19
         ("1.15.0", "1.15.1", "1.5.0", "2.12.12-1", {"FI_PROVIDER": "efa", "NCCL_PROTO": "simple"}),
-        # libfabric >= 1.18 and aws-ofi-nccl >= 1.7, installer >= 1.29.1: huge pages off only
-        ("1.30.0", "1.19.0", "1.7.4", "2.21.5-1", {"FI_EFA_USE_HUGE_PAGE": "0"}),
+        # libfabric >= 1.18 and aws-ofi-nccl >= 1.7, installer >= 1.29.1: nothing beyond the defaults
+        ("1.30.0", "1.19.0", "1.7.4", "2.21.5-1", {}),
     ],
 )
 def test_nccl_environment_conditions(gpu_node, installer, libfabric, ofi, nccl, expected):
@@ -92,6 +93,16 @@ def test_nccl_environment_conditions(gpu_node, installer, libfabric, ofi, nccl, 
     }
 
 
+@pytest.mark.parametrize("instance_type", INSTANCE_TYPES)
+def test_huge_pages_are_turned_off_only_when_asked_for(gpu_node, instance_type):
+    # AWS: FI_EFA_USE_HUGE_PAGE=0 only when os.fork() fails with ENOMEM (it costs performance)
+    variables = gpu_node(instance_type)
+    for asked, expected in ((False, None), (True, "0")):
+        text = render_template("nccl", "nccl.env.j2", {**variables, "nccl_efa_disable_huge_pages": asked})
+        env = dict(re.findall(r'^([A-Z_]+)="([^"]*)"$', text, re.MULTILINE))
+        assert env.get("FI_EFA_USE_HUGE_PAGE") == expected
+
+
 def test_old_efa_installer_needs_explicit_plugin_versions(gpu_node):
     variables = gpu_node("p4d.24xlarge", fsdp_efa_installer_version="1.25.0")
     assert render("{{ nccl_aws_ofi_nccl_version | trim }}", variables) == ""
@@ -100,7 +111,10 @@ def test_old_efa_installer_needs_explicit_plugin_versions(gpu_node):
 def test_profile_script_exports_the_environment_file(gpu_node, tmp_path):
     env_file, profile = tmp_path / "nccl.env", tmp_path / "nccl.sh"
     variables = gpu_node(
-        "p5.48xlarge", nccl_environment_file=str(env_file), nccl_extra_environment={"NCCL_DEBUG": "INFO"}
+        "p5.48xlarge",
+        nccl_environment_file=str(env_file),
+        nccl_extra_environment={"NCCL_DEBUG": "INFO"},
+        nccl_efa_disable_huge_pages=True,
     )
     env_file.write_text(render_template("nccl", "nccl.env.j2", variables))
     profile.write_text(render_template("nccl", "nccl-profile.sh.j2", variables))
@@ -113,6 +127,21 @@ def test_profile_script_exports_the_environment_file(gpu_node, tmp_path):
     ).stdout
     assert "NCCL_SOCKET_IFNAME=^docker,lo,veth" in out.splitlines()
     assert "NCCL_DEBUG=INFO" in out.splitlines() and "FI_EFA_USE_HUGE_PAGE=0" in out.splitlines()
+
+
+def test_persistence_daemon_unit_turns_persistence_mode_on_from_boot(gpu_node):
+    # Ubuntu's and NVIDIA's unit: static, StopWhenUnneeded=true, --no-persistence-mode (nvidia-smi: Disabled)
+    unit = configparser.ConfigParser(strict=True, interpolation=None)
+    unit.optionxform = str
+    unit.read_string(render_template("nvidia", "nvidia-persistenced.service.j2", gpu_node("p4d.24xlarge")))
+    command = unit["Service"]["ExecStart"].split()
+    assert command[0] == "/usr/bin/nvidia-persistenced" and "--persistence-mode" in command
+    assert "--no-persistence-mode" not in command
+    assert unit["Unit"]["StopWhenUnneeded"] == "false"
+    assert unit["Install"]["WantedBy"] == "multi-user.target"  # started at boot once enabled
+    # Type=forking: systemd follows the daemon through the pid file it writes
+    assert unit["Service"]["Type"] == "forking"
+    assert unit["Service"]["PIDFile"] == "/run/nvidia-persistenced/nvidia-persistenced.pid"
 
 
 def test_ssh_keepalive_survives_thirty_idle_minutes(gpu_node):

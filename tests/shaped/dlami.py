@@ -6,10 +6,16 @@ the local target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in 
   store (held by the DLAMI's md array), read by hardware_facts through fsdp_sysfs_root;
 - stand-in modprobe/modinfo answering like kmod for the type's modules (loading one makes it appear in
   /opt/fsdp-shape/sys/module, gdrdrv makes /dev/gdrdrv);
+- a stand-in nvidia-persistenced that forks like the real daemon, packaged with the unit Ubuntu and NVIDIA
+  ship (static, StopWhenUnneeded, --no-persistence-mode); the stand-in nvidia-smi reports persistence
+  mode from the running daemon's own flag, as the driver would, not from the unit being active;
 - Debian packages built here with dpkg-deb, with the real names, versions and dependencies: those the
   DLAMI ships (driver 595, Fabric Manager, GDRCopy 2.5.2, EFA installer 1.50.0's libfabric, Open MPI,
   aws-ofi-nccl 1.18.0, efa-nv-peermem) are installed at "image bake" time; those the roles install
-  (CUDA toolkit, NCCL) sit in a local apt repository that the stand-in cuda-keyring points apt at;
+  (CUDA toolkit, NCCL 2.29.3 and an older 2.27.7) sit in a local apt repository that the stand-in
+  cuda-keyring points apt at;
+- CUDA toolkits 12.8, 12.9 and 13.0 side by side under /usr/local/cuda-X.Y, installed by the image's
+  runfiles (no package owns them), each with its version.json and nvcc;
 - real ELF libraries and an all_reduce_perf binary built with the host's gcc (linked like nccl-tests:
   libnccl and libmpi, no rpath), so ldd on the node resolves them for real;
 - the nccl-tests source tarball the nccl role unpacks, whose "build" copies that binary.
@@ -35,10 +41,18 @@ DRIVER = "595.71.05"
 NCCL_TESTS_VERSION = "2.17.9"
 NCCL_TESTS_TARBALL = f"{SHAPE}/src/nccl-tests-{NCCL_TESTS_VERSION}.tar.gz"
 DLAMI_MOUNT = "/opt/dlami/nvme"
+PERSISTENCED_RUN = "/run/nvidia-persistenced"  # where the real daemon writes its pid file
+PERSISTENCED_PIDFILE = f"{PERSISTENCED_RUN}/nvidia-persistenced.pid"
+NCCL = "2.29.3-1+cuda12.9"  # the pin, as NVIDIA's repository versions it
+OLDER_NCCL = "2.27.7-1+cuda12.9"  # what an earlier configure with an older pin would have left
+# The image's CUDA toolkits (runfile installs under /usr/local/cuda-X.Y): version.json's version, nvcc's build.
+IMAGE_CUDA = {"12.8": ("12.8.1", "12.8.93"), "12.9": ("12.9.1", "12.9.86"), "13.0": ("13.0.2", "13.0.88")}
 # What the DLAMI's boot does before anyone configures the node: its packages are installed (the
-# image), services enabled, the instance store mounted at /opt/dlami/nvme.
+# image), services enabled, the instance store mounted at /opt/dlami/nvme. The packaged persistenced
+# unit is static (the driver's device pulls it in on a real node): started once, and systemd may stop it
+# again, as StopWhenUnneeded makes it do on a real node.
 BAKE = (f"set -e; dpkg -i {IMAGE_DEBS}/*.deb >/dev/null; systemctl daemon-reload; "
-        "systemctl enable --now nvidia-persistenced nvidia-fabricmanager >/dev/null 2>&1; "
+        "systemctl enable --now nvidia-fabricmanager >/dev/null 2>&1; systemctl start nvidia-persistenced; "
         f"mkdir -p {DLAMI_MOUNT}; mountpoint -q {DLAMI_MOUNT} || mount -t tmpfs -o size=64m dlami-nvme {DLAMI_MOUNT}")
 
 # Stand-in commands -------------------------------------------------------------------------------
@@ -66,13 +80,37 @@ echo "modinfo: ERROR: Module $name not found." >&2; exit 1
 NVIDIA_SMI = f"""#!/bin/sh
 # stand-in nvidia-smi {DRIVER}: one GPU per NVIDIA display controller on the shaped PCI bus
 gpus=$(grep -l 0x0302 {SHAPE}/sys/bus/pci/devices/*/class 2>/dev/null | wc -l)
-if systemctl is-active --quiet nvidia-persistenced; then pm=Enabled; else pm=Disabled; fi
+# persistence mode is what the running nvidia-persistenced was told: on unless --no-persistence-mode
+pm=Disabled
+pid=$(cat {PERSISTENCED_PIDFILE} 2>/dev/null)
+if [ -n "$pid" ] && [ -r /proc/"$pid"/cmdline ]; then
+  case " $(tr '\\0' ' ' < /proc/"$pid"/cmdline) " in *" --no-persistence-mode "*) ;; *) pm=Enabled ;; esac
+fi
 case "$*" in
   *--query-gpu=driver_version*) i=0; while [ $i -lt $gpus ]; do echo {DRIVER}; i=$((i+1)); done ;;
   *--query-gpu=index,driver_version,persistence_mode*)
     i=0; while [ $i -lt $gpus ]; do echo "$i, {DRIVER}, $pm"; i=$((i+1)); done ;;
+  *--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total,remapped_rows.pending,remapped_rows.failure*) i=0; for c in $(grep -l 0x0302 {SHAPE}/sys/bus/pci/devices/*/class 2>/dev/null); do echo "$i, $(basename "$(dirname "$c")"), 0, No, No"; i=$((i+1)); done ;;
   *) echo "NVIDIA-SMI {DRIVER}    Driver Version: {DRIVER}    CUDA Version: 13.2" ;;
 esac
+"""
+PERSISTENCED = f"""#!/bin/sh
+# stand-in nvidia-persistenced: forks and writes its pid file as the real daemon does (Type=forking); the
+# process left running keeps the daemon's arguments on its command line, where nvidia-smi reads the flag
+mkdir -p {PERSISTENCED_RUN}
+sh -c 'while :; do sleep 3600; done' nvidia-persistenced "$@" </dev/null >/dev/null 2>&1 &
+echo $! > {PERSISTENCED_PIDFILE}
+"""
+# Ubuntu's unit (nvidia-compute-utils) and NVIDIA's: static, stopped when nothing needs it, persistence off.
+PERSISTENCED_UNIT = """[Unit]
+Description=NVIDIA Persistence Daemon
+Wants=syslog.target
+StopWhenUnneeded=true
+
+[Service]
+Type=forking
+ExecStart=/usr/bin/nvidia-persistenced --user nvidia-persistenced --no-persistence-mode --verbose
+ExecStopPost=/bin/rm -rf /var/run/nvidia-persistenced
 """
 FABRICMANAGER = f"""#!/bin/sh
 case "$1" in --version|-v) echo "Fabric Manager version is : {DRIVER}"; exit 0 ;; esac
@@ -107,7 +145,14 @@ WantedBy=multi-user.target
 INITRAMFS = "#!/bin/sh\necho \"update-initramfs $*\" >> /var/log/fsdp-shape-initramfs.log\n"
 NVCC = """#!/bin/sh
 echo "nvcc: NVIDIA (R) Cuda compiler driver"
-echo "Cuda compilation tools, release 12.9, V12.9.86"
+echo "Cuda compilation tools, release {release}, V{build}"
+"""
+VERSION_JSON = """{{
+   "cuda" : {{
+      "name" : "CUDA SDK",
+      "version" : "{version}"
+   }}
+}}
 """
 
 # Stand-in libraries (real ELF objects) --------------------------------------------------------------
@@ -235,6 +280,12 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
     # The DLAMI's repositories are unreachable from a test node: apt reads only the local one.
     (layer / "etc/apt").mkdir(parents=True, exist_ok=True)
     (layer / "etc/apt/sources.list").write_text("# shaped test node: no Debian mirror\n")
+    for release, (version, build) in IMAGE_CUDA.items():  # the image's runfile toolkits: no package owns them
+        toolkit = layer / f"usr/local/cuda-{release}"
+        (toolkit / "bin").mkdir(parents=True)
+        (toolkit / "bin/nvcc").write_text(NVCC.format(release=release, build=build))
+        (toolkit / "bin/nvcc").chmod(0o755)
+        (toolkit / "version.json").write_text(VERSION_JSON.format(version=version))
     (layer / "opt/amazon").mkdir(parents=True, exist_ok=True)
     (layer / "opt/amazon/efa_installed_packages").write_text(
         "# EFA installer version: 1.50.0\n# Debug packages installed: no\n# Packages installed:\n"
@@ -250,9 +301,9 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
     fm = f"{DRIVER}-1ubuntu1"
     for name, version, files, depends in [
         ("nvidia-driver-cuda", fm, {"/usr/bin/nvidia-smi": _script(NVIDIA_SMI),
-                                    "/usr/bin/nvidia-persistenced": _script("#!/bin/sh\nexec sleep infinity\n"),
-                                    "/lib/systemd/system/nvidia-persistenced.service":
-                                        _unit("NVIDIA Persistence Daemon", "/usr/bin/nvidia-persistenced")}, ""),
+                                    "/usr/bin/nvidia-persistenced": _script(PERSISTENCED),
+                                    "/lib/systemd/system/nvidia-persistenced.service": PERSISTENCED_UNIT.encode()},
+         ""),
         ("nvidia-fabricmanager", fm, {"/usr/bin/nv-fabricmanager": _script(FABRICMANAGER),
                                       "/lib/systemd/system/nvidia-fabricmanager.service":
                                           _unit("NVIDIA fabric manager service", "/usr/bin/nv-fabricmanager")},
@@ -278,11 +329,14 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
     ]:
         build_deb(image, name, version, files, depends=depends,
                   arch="all" if name == "cuda-keyring" else "amd64")
-    nccl = "2.29.3-1+cuda12.9"
-    build_deb(repo, "cuda-toolkit-12-9", "12.9.1-1", {"/usr/local/cuda-12.9/bin/nvcc": _script(NVCC)})
-    build_deb(repo, "libnccl2", nccl, {"/usr/lib/x86_64-linux-gnu/libnccl.so.2": elves["libnccl.so.2"]})
-    build_deb(repo, "libnccl-dev", nccl, {"/usr/include/nccl.h": b"#define NCCL_MAJOR 2\n"},
-              depends=f"libnccl2 (= {nccl})")
+    version, build = IMAGE_CUDA["12.9"]
+    build_deb(repo, "cuda-toolkit-12-9", f"{version}-1",
+              {"/usr/local/cuda-12.9/bin/nvcc": _script(NVCC.format(release="12.9", build=build)),
+               "/usr/local/cuda-12.9/version.json": VERSION_JSON.format(version=version).encode()})
+    for nccl in (NCCL, OLDER_NCCL):
+        build_deb(repo, "libnccl2", nccl, {"/usr/lib/x86_64-linux-gnu/libnccl.so.2": elves["libnccl.so.2"]})
+        build_deb(repo, "libnccl-dev", nccl, {"/usr/include/nccl.h": b"#define NCCL_MAJOR 2\n"},
+                  depends=f"libnccl2 (= {nccl})")
     write_repository(repo)
     os.chmod(layer, 0o755)
     return layer

@@ -2,7 +2,9 @@
 AMI p4d nodes (tests/shaped/dlami.py, given to the local target through FSDPCTL_LOCAL_NODE_LAYER): check
 mode first on the fresh image, then `fsdpctl configure` twice. The first run goes through every hardware
 role's tasks (no hardware skip) and adopts what the image brings instead of downgrading it; the second
-changes nothing. Checked from outside over SSH."""
+changes nothing. Checked from outside over SSH. Then variants, each a cheap `--tags nccl` run on one
+node that ends where it started: a lower NCCL pin (kept, never downgraded), an older NCCL held by an
+earlier run (upgraded over its hold), and aws-ofi-nccl removed (the run fails naming the package)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ EXTRA_VARS = {
     "hardware_required": True,  # absent hardware fails, as on AWS
     "nccl_tests_url": dlami.NCCL_TESTS_TARBALL,
 }
+EXTRA_ARGS = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
+INSTALL_NCCL = "Install or upgrade NCCL from NVIDIA's CUDA repository"
+# dpkg-query lists them in its own (name) order
+NCCL_PACKAGES = "dpkg-query -W -f '${Package}=${Version} ${db:Status-Want}\\n' libnccl-dev libnccl2"
 LINE = re.compile(
     r"^\s+(ok|changed|skipped|failed|ignored|unreachable)\s+(\S+)\s+(\w+) : (.+?)(?:  \((.*)\))?$",
     re.MULTILINE,
@@ -114,15 +120,20 @@ def check_mode(cluster):
 @pytest.fixture(scope="module")
 def first_run(cluster, check_mode):
     home, _ = cluster
-    extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
-    return fsdpctl(home, "configure", "--tags", ",".join(CONFIGURED_ROLES), *extra, check=False)
+    return fsdpctl(home, "configure", "--tags", ",".join(CONFIGURED_ROLES), *EXTRA_ARGS, check=False)
 
 
 @pytest.fixture(scope="module")
 def second_run(cluster, first_run):
     home, _ = cluster
-    extra = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
-    return fsdpctl(home, "configure", "--tags", ",".join(CONFIGURED_ROLES), *extra, check=False)
+    return fsdpctl(home, "configure", "--tags", ",".join(CONFIGURED_ROLES), *EXTRA_ARGS, check=False)
+
+
+def configure_nccl(home: Path, rank: int, *extra: str) -> subprocess.CompletedProcess:
+    """Only the nccl role, on one node (no efa role before it in the play): a cheap variant run."""
+    return fsdpctl(
+        home, "configure", "--tags", "nccl", "--limit", NODES[rank], *EXTRA_ARGS, *extra, check=False
+    )
 
 
 def test_check_mode_on_the_fresh_image_fails_nowhere(check_mode):
@@ -151,16 +162,18 @@ def test_first_run_goes_through_every_hardware_role(first_run):
         ]:
             assert found.get((host, role, skip)) == {"skipped"}, (host, role, skip)
         ran = {
+            ("common", "Hold the installed kernel and NVIDIA packages"): {"changed"},
+            ("nvidia", "Run the persistence daemon with persistence mode on"): {"changed"},
             ("nvidia", "Check the driver version and persistence mode on every GPU"): {"ok"},
             ("nvidia", "Check Fabric Manager matches the driver"): {"ok"},
             ("nvidia", "Start NVIDIA Fabric Manager"): {"ok"},
-            ("cuda", "Install CUDA toolkit 12.9.1"): {"changed"},
             ("cuda", "Check the toolkit is the pinned version"): {"ok"},
             ("cuda", "Load the gdrdrv module"): {"changed"},
             ("cuda", "Check the GDRCopy device exists"): {"ok"},
             ("efa", "Check libfabric sees every EFA device"): {"ok"},
             ("efa", "Check the aws-ofi-nccl plugin and Open MPI are installed"): {"ok"},
-            ("nccl", "Install the pinned NCCL from NVIDIA's CUDA repository"): {"changed"},
+            ("nccl", "Fail without aws-ofi-nccl on an EFA node"): {"skipped"},
+            ("nccl", INSTALL_NCCL): {"changed"},
             ("nccl", "Let every process find aws-ofi-nccl and libfabric"): {"changed"},
             ("nccl", "Build nccl-tests against the EFA installer's Open MPI"): {"changed"},
             ("nccl", "Check all_reduce_perf finds NCCL and Open MPI at run time"): {"ok"},
@@ -170,6 +183,8 @@ def test_first_run_goes_through_every_hardware_role(first_run):
             # what the DLAMI brings at or above the pins is adopted, never reinstalled or downgraded
             ("nvidia", "Install the driver packages of the branch"): {"skipped"},
             ("nvidia", "Install Fabric Manager at the driver's version"): {"skipped"},
+            ("nvidia", "Hold the new driver and Fabric Manager packages"): {"skipped"},
+            ("cuda", "Install CUDA toolkit 12.9.1"): {"skipped"},  # the image's runfile toolkit
             ("cuda", "Build the GDRCopy Debian packages"): {"skipped"},
             ("efa", "Run the EFA installer"): {"skipped"},
             ("storage", "Assemble the NVMe devices into RAID0"): {"skipped"},
@@ -215,3 +230,90 @@ def test_the_nodes_keep_the_images_newer_software_and_find_the_plugin(cluster, f
         assert lines[6] == "1" and lines[7] == 'NCCL_NET_PLUGIN="ofi"'
         assert lines[8].split()[-1] == "/scratch", r.stdout  # a bind mount of the DLAMI's volume
         assert lines[9:11] == ["efa_nv_peermem", "gdrdrv"], r.stdout
+
+
+def test_persistence_mode_is_on_by_the_daemons_own_flag(cluster, first_run):
+    # the stand-in nvidia-smi reads the flag off the running daemon, as the driver applies it: the packaged
+    # unit's --no-persistence-mode (and StopWhenUnneeded) would show Disabled
+    _, state = cluster
+    script = (
+        "nvidia-smi --query-gpu=index,driver_version,persistence_mode --format=csv,noheader | cut -d' ' -f3 "
+        "| sort -u; systemctl is-enabled nvidia-persistenced; "
+        "systemctl show --property StopWhenUnneeded --value nvidia-persistenced; "
+        f"tr '\\0' ' ' < /proc/$(cat {dlami.PERSISTENCED_PIDFILE})/cmdline"
+    )
+    for rank, r in remote.run_all(state, script, timeout=30).items():
+        lines = r.stdout.splitlines()
+        assert lines[:3] == ["Enabled", "enabled", "no"], (NODES[rank], r.stdout)
+        assert "--persistence-mode" in lines[3].split(), (NODES[rank], r.stdout)
+
+
+def test_the_images_toolkits_are_adopted_holds_set_and_huge_pages_left_on(cluster, first_run):
+    _, state = cluster
+    script = (
+        "dpkg-query -W 'cuda-toolkit-*' 2>/dev/null | wc -l; ls -d /usr/local/cuda-*; "
+        "grep -c FI_EFA_USE_HUGE_PAGE /etc/fsdp-cluster/nccl.env; apt-mark showhold"
+    )
+    for rank, r in remote.run_all(state, script, timeout=30, check=False).items():
+        lines = r.stdout.splitlines()
+        assert lines[0] == "0", (NODES[rank], r.stdout)  # no package installed over the runfile toolkits
+        assert lines[1:4] == [f"/usr/local/cuda-{release}" for release in dlami.IMAGE_CUDA]
+        assert lines[4] == "0", (NODES[rank], r.stdout)  # FI_EFA_USE_HUGE_PAGE only when asked for
+        # the image's NVIDIA packages held by the common role, NCCL by its own
+        assert set(lines[5:]) == {
+            "libnccl-dev",
+            "libnccl2",
+            "libnvidia-nscq",
+            "nvidia-driver-cuda",
+            "nvidia-fabricmanager",
+        }, (NODES[rank], r.stdout)
+
+
+def test_nccl_is_upgraded_over_its_hold_and_never_downgraded(cluster, second_run):
+    home, state = cluster
+    pinned = [f"libnccl-dev={dlami.NCCL} hold", f"libnccl2={dlami.NCCL} hold"]
+    older = dlami.OLDER_NCCL
+    # a lower pin asks for a downgrade: the pinned (newer) NCCL is kept, still held
+    lower = configure_nccl(home, 0, "-e", f"fsdp_nccl_version={older.split('+')[0]}")
+    assert lower.returncode == 0, lower.stdout[-5000:]
+    assert results(lower.stdout)[(NODES[0], "nccl", INSTALL_NCCL)] == {"ok"}
+    assert remote.run(state, 0, NCCL_PACKAGES).stdout.splitlines() == pinned
+    # an older NCCL held by an earlier configure (an older pin): upgraded to the pin over its hold, held again
+    remote.run(
+        state,
+        0,
+        "apt-get install -y -q --allow-downgrades --allow-change-held-packages "
+        f"libnccl2={older} libnccl-dev={older} >/dev/null && apt-mark hold libnccl2 libnccl-dev >/dev/null",
+        timeout=120,
+    )
+    assert remote.run(state, 0, NCCL_PACKAGES).stdout.splitlines() == [
+        f"libnccl-dev={older} hold",
+        f"libnccl2={older} hold",
+    ]
+    upgrade = configure_nccl(home, 0)
+    assert upgrade.returncode == 0, upgrade.stdout[-5000:]
+    assert results(upgrade.stdout)[(NODES[0], "nccl", INSTALL_NCCL)] == {"changed"}
+    assert remote.run(state, 0, NCCL_PACKAGES).stdout.splitlines() == pinned
+
+
+def test_an_efa_node_without_aws_ofi_nccl_fails_naming_the_package(cluster, second_run):
+    # without the efa role in the play the nccl role reads the node itself; a guessed aws-ofi-nccl version
+    # would write an environment for a plugin that is not there
+    home, state = cluster
+    remote.run(state, 1, "dpkg -r libnccl-ofi >/dev/null", timeout=60)
+    try:
+        broken = configure_nccl(home, 1)
+    finally:
+        remote.run(
+            state, 1, f"dpkg -i {dlami.IMAGE_DEBS}/libnccl-ofi_1.18.0-1_amd64.deb >/dev/null", timeout=60
+        )
+    assert broken.returncode != 0, broken.stdout[-5000:]
+    assert results(broken.stdout)[(NODES[1], "nccl", "Fail without aws-ofi-nccl on an EFA node")] == {
+        "failed"
+    }
+    message = " ".join(broken.stdout.split())
+    assert "the aws-ofi-nccl package libnccl-ofi is not installed and libfabric is 2.4.0" in message
+    assert "Install them with the EFA installer, which ships the libnccl-ofi package" in message
+    # the environment the earlier runs wrote for the node's plugin is left as it was
+    env = remote.run(state, 1, "head -3 /etc/fsdp-cluster/nccl.env").stdout
+    assert "aws-ofi-nccl 1.18.0" in env, env
