@@ -193,14 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     yes_argument(sp, "keep the cluster billing longer")
     sp = cmd("train", "Submit a training run to the cluster's Slurm as a requeueable batch job "
              "(docs/slurm.md).")
-    sp.add_argument("config", metavar="CONFIG", help="trainer config: a shipped name (tiny, smoke, "
-                    "gpt-1b, ...) or a YAML file (copied next to the job)")
+    sp.add_argument("config", metavar="CONFIG", nargs="?", help="trainer config: a shipped name (tiny, "
+                    "smoke, gpt-1b, ...) or a YAML file (copied next to the job)")
+    sp.add_argument("--command", metavar="CMD", dest="user_command",
+                    help="run your own program instead of the trainer: a command line every node runs "
+                    "(with MASTER_ADDR, MASTER_PORT, NNODES, NODE_RANK, NPROC_PER_NODE, CHECKPOINT_DIR and "
+                    "JOB_DIR set), or a local script, copied next to the job (.py: run under torchrun)")
     sp.add_argument("--nodes", type=int, metavar="N", help="nodes to train on (default: every usable node)")
     sp.add_argument("--steps", type=int, metavar="S", help="optimizer steps (default: the config's)")
     sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                     help="trainer config override, e.g. optim.lr=1e-3 (repeatable)")
     sp.add_argument("--name", help="job name, also its directory on the shared file system "
-                    "(default: CONFIG-<UTC time>)")
+                    "(default: CONFIG-<UTC time>, or the script's name or `command`)")
     sp.add_argument("--checkpoint-interval", type=int, metavar="STEPS",
                     help="steps between checkpoints (default: the config's checkpoint.interval)")
 

@@ -14,7 +14,8 @@ import signal
 import time
 from argparse import Namespace
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fsdpctl import state as state_mod
 from fsdpctl import targets
@@ -25,6 +26,9 @@ from fsdpctl.inventory import write_inventory
 from fsdpctl.plan.cost import amount_text
 from fsdpctl.state import ClusterRecord, ClusterState, Exclusion
 from infra.spec import ClusterSpec, load_spec
+
+if TYPE_CHECKING:
+    from fsdpctl.slurm import NodeState
 
 
 @contextlib.contextmanager
@@ -196,16 +200,56 @@ def _live_health(state: ClusterState, record: ClusterRecord) -> tuple[list[str] 
         return None, str(missing)
 
 
+def _slurm_fields(slurm_nodes: dict[str, NodeState] | None, name: str) -> dict[str, str | None]:
+    """A node's Slurm state and reason for `status --json` (None: not known)."""
+    node = (slurm_nodes or {}).get(name)
+    return {"slurm_state": node.state if node else None, "slurm_reason": node.reason if node else None}
+
+
+def _slurm_nodes(state: ClusterState, record: ClusterRecord,
+                 problems: list[str] | None) -> tuple[dict[str, NodeState] | None, str | None]:
+    """(each node as Slurm sees it, by name, or None where Slurm is not installed; None) once every
+    node answered the live check, else (None, why Slurm was not asked); (None, None) without nodes."""
+    from fsdpctl import slurm
+
+    if not record.nodes:
+        return None, None
+    if problems is None:
+        return None, "the nodes' health was not refreshed"
+    if problems:
+        return None, "not every node answers"
+    try:
+        return slurm.node_states(state), None
+    except (CommandError, UsageError) as e:
+        return None, str(e)
+
+
+def _print_slurm_nodes(slurm_nodes: dict[str, NodeState] | None, not_asked: str | None) -> None:
+    """How many nodes Slurm runs jobs on, and each other one's state and reason (a drain's)."""
+    if not_asked is not None:
+        say(f"slurm: not asked ({not_asked})")
+    if not slurm_nodes:
+        return
+    out_of_service = [n for n in slurm_nodes.values() if not n.in_service]
+    say(f"slurm: {len(slurm_nodes) - len(out_of_service)} of {len(slurm_nodes)} node(s) in service")
+    for node in out_of_service:
+        say(f"  {node.name} {node.state}: {node.reason or 'no reason given'}")
+    if out_of_service:
+        say("  once the cause is fixed: fsdpctl ssh 0 -- scontrol update nodename=NAME state=resume "
+            "(docs/slurm.md, node health checks)")
+
+
 def cmd_status(args: Namespace) -> int:
     state = state_mod.resolve(args.cluster)
     record = state.read()
     summary = _summary(state, record)
     problems, not_refreshed = _live_health(state, record)
     health = "unknown" if problems is None else problems or "ok"
+    slurm_nodes, slurm_not_asked = _slurm_nodes(state, record, problems)
     summary.update(state_dir=str(state.root), shared_dir=record.shared_dir, health=health,
-                   health_not_refreshed=not_refreshed,
-                   node_list=[{**n.model_dump(), "excluded": n.rank in record.excluded_ranks()}
-                              for n in record.nodes],
+                   health_not_refreshed=not_refreshed, slurm_not_asked=slurm_not_asked,
+                   node_list=[{**n.model_dump(), "excluded": n.rank in record.excluded_ranks(),
+                               **_slurm_fields(slurm_nodes, n.name)} for n in record.nodes],
                    last_configure=record.last_configure.model_dump() if record.last_configure else None,
                    last_report=record.last_report, reports_dir=str(state.reports_dir))
     if args.json:
@@ -230,6 +274,7 @@ def cmd_status(args: Namespace) -> int:
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
     _print_nodes(record)
+    _print_slurm_nodes(slurm_nodes, slurm_not_asked)
     if problems is None:
         say(f"health: not refreshed ({not_refreshed}); the above is what the state file recorded")
     else:

@@ -8,6 +8,10 @@ that holds everything about it: the batch script (`job.sbatch`, which is also th
 completed, cancelled or failed, and the step's exit status). Plain Slurm commands (squeue, scontrol,
 scancel) see the same jobs.
 
+A job runs the trainer (`fsdpctl train CONFIG`: torchrun on every node) or the user's own command
+(`fsdpctl train --command`: once per node, with the rendezvous, the job's directories, the cluster's
+NCCL environment and the deployed venv in its environment); both are requeued and signalled alike.
+
 Signals: the batch script traps SIGUSR1 (`--signal=B:USR1@120` before a time limit, or the spot
 watcher's `scancel --batch --signal=USR1`) and forwards it to the job's step with
 `scancel --signal=USR1`; slurmstepd delivers it to every process of the step, torchrun ignores it
@@ -23,13 +27,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import shlex
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fsdpctl import remote
 from fsdpctl.checks.context import nproc_per_node
@@ -71,7 +75,10 @@ class TrainJob:
     env: dict[str, str] = field(default_factory=dict)
     max_requeues: int = MAX_REQUEUES
     module_args: list[str] | None = None
-    """The trainer's command line verbatim (the smoke checks); None: built from the fields above."""
+    """torchrun's program and its arguments verbatim (the smoke checks' trainer command line, or a
+    user's Python script); None: the trainer, with the fields above."""
+    command: str | None = None
+    """The user's own command line (`fsdpctl train --command`), run once per node instead of torchrun."""
 
     @property
     def script_path(self) -> str:
@@ -103,6 +110,53 @@ def render_batch_script(job: TrainJob) -> str:
     """The sbatch script of a job: the batch part, and (with --node) the step each node runs."""
     return render_script("templates/slurm_job.sbatch.j2", job=job, trainer_args=job.trainer_args(),
                          requeue_exit=REQUEUE_EXIT, signal_lead_s=SIGNAL_LEAD_S, nccl_env_file=NCCL_ENV_FILE)
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One job `fsdpctl train` submitted, as `fsdpctl jobs` shows it (`--json`: these fields)."""
+
+    job_id: int
+    name: str
+    state: str
+    """Slurm's state (PENDING, RUNNING, COMPLETED, ...), or the status file's once slurmctld forgot it."""
+    nodes: str
+    """The job's node list ("" before it has nodes)."""
+    node_count: int | None
+    reason: str | None
+    """Why Slurm keeps it pending, if it does."""
+    status: str | None
+    """The batch script's last word (`running 0`, `requeued 1`, `completed 0`, ...)."""
+    last_step: int | None
+    steps: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    """From the last line of the trainer's metrics; None for a --command job (no metrics file)."""
+    job_dir: str
+
+    @property
+    def log_file(self) -> str:
+        return f"{self.job_dir}/slurm-{self.job_id}.out"
+
+
+IN_SERVICE = {"idle", "allocated", "mixed", "completing", "reserved", "planned"}
+"""Node states in which a node runs or takes jobs."""
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as Slurm sees it (sinfo)."""
+
+    name: str
+    state: str
+    """sinfo's extended state: idle, allocated, mixed, drained, draining, down, ... (a trailing `*`:
+    slurmctld gets no answer from its slurmd)."""
+    reason: str | None
+    """Why it was drained or went down (`health (prolog): ...`, `fsdpctl exclude: ...`), if it was."""
+
+    @property
+    def in_service(self) -> bool:
+        return self.state in IN_SERVICE
 
 
 def slurm_rank(state: ClusterState) -> int:
@@ -156,8 +210,25 @@ def jobs_root(state: ClusterState) -> str:
     return f"{shared}/{JOBS_DIR}"
 
 
-def validate_request(*, name: str | None, nodes: int | None, steps: int | None, overrides: list[str],
-                     available: int, checkpoint_interval: int | None) -> None:
+def validate_request(*, config: str | None, command: str | None, name: str | None, nodes: int | None,
+                     steps: int | None, overrides: list[str], available: int,
+                     checkpoint_interval: int | None) -> None:
+    if config is not None and command is not None:
+        raise UsageError(f"CONFIG {config!r} and --command both given: a job runs the trainer with CONFIG "
+                         "or your own command; drop one")
+    if config is None and command is None:
+        raise UsageError("give a trainer CONFIG (tiny, smoke, gpt-1b, ... or a YAML file) or your own "
+                         "program with --command 'torchrun ... train.py' (or --command a script path)")
+    if command is not None and not command.strip():
+        raise UsageError("--command is empty: give the command every node runs, e.g. --command 'torchrun "
+                         "--nnodes $NNODES --nproc-per-node $NPROC_PER_NODE ... train.py', or a script path")
+    if command is not None:
+        trainer_flags = {"--steps": steps, "--checkpoint-interval": checkpoint_interval,
+                         "--set": overrides or None}
+        for flag, value in trainer_flags.items():
+            if value is not None:
+                raise UsageError(f"{flag} is a setting of the trainer's CONFIG, not of --command: pass your "
+                                 "program its own arguments inside the command")
     if name is not None and not _NAME.match(name):
         raise UsageError(f"--name {name!r}: use 1-64 letters, digits, '.', '_' or '-' (it names the job "
                          "and its directory), e.g. --name tiny-run1")
@@ -174,36 +245,53 @@ def validate_request(*, name: str | None, nodes: int | None, steps: int | None, 
                              "--set optim.lr=1e-3")
 
 
-def submit(state: ClusterState, config: str, *, nodes: int | None = None, steps: int | None = None,
-           overrides: list[str] | None = None, name: str | None = None,
+def submit(state: ClusterState, config: str | None, *, command: str | None = None, nodes: int | None = None,
+           steps: int | None = None, overrides: list[str] | None = None, name: str | None = None,
            checkpoint_interval: int | None = None, env: dict[str, str] | None = None,
            max_requeues: int = MAX_REQUEUES) -> tuple[int, TrainJob]:
     """Write the job's directory and batch script on the shared file system and sbatch it; returns
-    the Slurm job id and the job."""
+    the Slurm job id and the job. The job runs the trainer with `config`, or `command`: a command
+    line, or a local script (copied into the job's directory; a `.py` file runs under the job's
+    torchrun, anything else with bash)."""
     overrides = list(overrides or [])
     available = len(remote.cluster_nodes(state))
-    validate_request(name=name, nodes=nodes, steps=steps, overrides=overrides, available=available,
-                     checkpoint_interval=checkpoint_interval)
+    validate_request(config=config, command=command, name=name, nodes=nodes, steps=steps, overrides=overrides,
+                     available=available, checkpoint_interval=checkpoint_interval)
     spec = state.spec()
     venv = deployed_venv(state)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    local_config = Path(config)
-    name = name or f"{local_config.stem if local_config.suffix else config}-{stamp}"
+    local_file = Path(config if config is not None else str(command).strip())
+    # os.path: a command line longer than a file name is not one (Path.is_file raises for it)
+    is_script = command is not None and os.path.isfile(local_file)
+    if config is not None:
+        default_name = local_file.stem if local_file.suffix else config
+    else:
+        default_name = local_file.stem if is_script else "command"
+    name = name or f"{default_name}-{stamp}"
     job_dir = f"{jobs_root(state)}/{name}"
     rank = slurm_rank(state)
     exists = remote.run(state, rank, f"test -e {shlex.quote(job_dir)}", timeout=SLURM_TIMEOUT_S, check=False)
     if exists.returncode == 0:
         raise UsageError(f"a job named {name} already exists ({job_dir}); pick another --name")
-    if local_config.suffix in (".yaml", ".yml"):
-        if not local_config.is_file():
+    module_args = None
+    if config is not None and local_file.suffix in (".yaml", ".yml"):
+        if not local_file.is_file():
             raise UsageError(f"trainer config {config}: no such file; give a YAML file or a shipped config "
                              "name (tiny, smoke, gpt-1b, ...)")
-        remote.copy_to(state, rank, local_config, f"{job_dir}/config.yaml")
+        remote.copy_to(state, rank, local_file, f"{job_dir}/config.yaml")
         config = f"{job_dir}/config.yaml"
-    job = TrainJob(name=name, job_dir=job_dir, config=config, nodes=nodes or available,
+    elif is_script:
+        script = f"{job_dir}/{local_file.name}"
+        remote.copy_to(state, rank, local_file, script)
+        if local_file.suffix == ".py":
+            module_args, command = [script], None
+        else:
+            command = f"bash {shlex.quote(script)}"
+    job = TrainJob(name=name, job_dir=job_dir, config=config or "", nodes=nodes or available,
                    nproc=nproc_per_node(state, spec), gpus=_gpus_per_node(state), venv=venv,
                    port=spec.trainer.master_port, steps=steps, checkpoint_interval=checkpoint_interval,
-                   overrides=overrides, env=env or {}, max_requeues=max_requeues)
+                   overrides=overrides, env=env or {}, max_requeues=max_requeues, module_args=module_args,
+                   command=command)
     return submit_job(state, job), job
 
 
@@ -222,14 +310,14 @@ def submit_job(state: ClusterState, job: TrainJob) -> int:
     result = run_slurm(state, f"sbatch --parsable {shlex.quote(job.script_path)}")
     job_id = int(result.stdout.strip().split(";")[0])
     record = {"job_id": job_id, "name": job.name, "job_dir": job.job_dir, "config": job.config,
-              "nodes": job.nodes, "nproc_per_node": job.nproc, "steps": job.steps,
-              "overrides": job.overrides,
+              "command": job.command, "program": job.module_args, "nodes": job.nodes,
+              "nproc_per_node": job.nproc, "steps": job.steps, "overrides": job.overrides,
               "submitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
     run_slurm(state, f"echo {shlex.quote(json.dumps(record))} > {shlex.quote(job.job_dir)}/job.json")
     return job_id
 
 
-def list_jobs(state: ClusterState) -> list[dict[str, Any]]:
+def list_jobs(state: ClusterState) -> list[JobRow]:
     """Every job `fsdpctl train` submitted on the cluster, oldest first: Slurm state, nodes, last step,
     loss and tokens/s (from its metrics file)."""
     root = jobs_root(state)
@@ -238,25 +326,21 @@ def list_jobs(state: ClusterState) -> list[dict[str, Any]]:
     for job in json.loads(result.stdout or "[]"):
         slurm, status, last = job.get("slurm") or {}, job.get("status") or [], job.get("last") or {}
         state_word = slurm.get("state") or (status[0].upper() if status else "UNKNOWN")
-        rows.append({"job_id": job["job_id"], "name": job["name"], "state": state_word,
-                     "nodes": slurm.get("node_list") or "", "node_count": job.get("nodes"),
-                     "reason": slurm.get("reason") if slurm.get("reason") not in (None, "None") else None,
-                     "status": " ".join(status) or None, "last_step": last.get("step"),
-                     "steps": job.get("steps"), "loss": last.get("loss"),
-                     "tokens_per_s": last.get("tokens_per_s"), "job_dir": job["job_dir"]})
-    return sorted(rows, key=lambda r: r["job_id"])
+        rows.append(JobRow(job_id=job["job_id"], name=job["name"], state=state_word,
+                           nodes=slurm.get("node_list") or "", node_count=job.get("nodes"),
+                           reason=slurm.get("reason") if slurm.get("reason") not in (None, "None") else None,
+                           status=" ".join(status) or None, last_step=last.get("step"),
+                           steps=job.get("steps"), loss=last.get("loss"),
+                           tokens_per_s=last.get("tokens_per_s"), job_dir=job["job_dir"]))
+    return sorted(rows, key=lambda r: r.job_id)
 
 
-def find_job(state: ClusterState, job_id: int) -> dict[str, Any]:
+def find_job(state: ClusterState, job_id: int) -> JobRow:
     for job in list_jobs(state):
-        if job["job_id"] == job_id:
+        if job.job_id == job_id:
             return job
     raise UsageError(f"cluster {state.name} has no job {job_id} submitted by `fsdpctl train`; "
                      "`fsdpctl jobs` lists them")
-
-
-def log_file(job: dict[str, Any]) -> str:
-    return f"{job['job_dir']}/slurm-{job['job_id']}.out"
 
 
 def job_state(state: ClusterState, job_id: int) -> str | None:
@@ -285,11 +369,29 @@ def resume(state: ClusterState, node_name: str) -> None:
         raise CommandError(f"returning {node_name} to service in Slurm failed: {result.stderr.strip()}")
 
 
-def node_state(state: ClusterState, node_name: str) -> tuple[str, str]:
-    """(state, reason) of a node as sinfo reports them."""
-    result = run_slurm(state, f"sinfo --noheader --nodes {shlex.quote(node_name)} --format '%T|%E'")
-    value, _, reason = result.stdout.strip().partition("|")
-    return value, reason
+def parse_node_states(sinfo_output: str) -> dict[str, NodeState]:
+    """Nodes by name from `sinfo --noheader --Node --format '%N|%T|%E'` (a node in two partitions is
+    listed twice; "none" is sinfo's word for no reason)."""
+    nodes = {}
+    for line in sinfo_output.splitlines():
+        name, _, rest = line.strip().partition("|")
+        value, _, reason = rest.partition("|")
+        if name and value:
+            nodes[name] = NodeState(name=name, state=value, reason=None if reason in ("", "none") else reason)
+    return nodes
+
+
+def node_states(state: ClusterState) -> dict[str, NodeState] | None:
+    """Every node as Slurm sees it, by name; None where Slurm is not installed. A CommandError where
+    slurmctld does not answer."""
+    result = remote.run(state, slurm_rank(state), "sinfo --noheader --Node --format '%N|%T|%E'",
+                        timeout=SLURM_TIMEOUT_S, check=False)
+    if result.returncode == 127:
+        return None
+    if result.returncode:
+        seen = (result.stderr or result.stdout).strip().splitlines()
+        raise CommandError(f"`sinfo` exited {result.returncode}: {seen[-1] if seen else 'no output'}")
+    return parse_node_states(result.stdout)
 
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",

@@ -1,5 +1,6 @@
-"""`fsdpctl train CONFIG`: submit a training run to the cluster's Slurm as a requeueable batch job
-(fsdpctl/slurm.py writes the script; docs/slurm.md)."""
+"""`fsdpctl train CONFIG` or `fsdpctl train --command CMD`: submit a training run, of the trainer or
+of the user's own program, to the cluster's Slurm as a requeueable batch job (fsdpctl/slurm.py writes
+the script; docs/slurm.md)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from fsdpctl.state import resolve
 
 def cmd_train(args: Namespace) -> int:
     state = resolve(args.cluster)
-    job_id, job = slurm.submit(state, args.config, nodes=args.nodes, steps=args.steps,
-                               overrides=args.overrides, name=args.name,
+    job_id, job = slurm.submit(state, args.config, command=args.user_command, nodes=args.nodes,
+                               steps=args.steps, overrides=args.overrides, name=args.name,
                                checkpoint_interval=args.checkpoint_interval)
-    say(f"submitted job {job_id} ({job.name}) on {job.nodes} node(s) x {job.nproc} process(es); its "
-        f"script, log, metrics and checkpoints are in {job.job_dir}")
+    if job.command is None and job.module_args is None:
+        say(f"submitted job {job_id} ({job.name}) on {job.nodes} node(s) x {job.nproc} process(es); its "
+            f"script, log, metrics and checkpoints are in {job.job_dir}")
+    else:
+        runs = (f"your command once per node (NPROC_PER_NODE={job.nproc})" if job.command is not None
+                else f"your script under torchrun x {job.nproc} process(es) per node")
+        say(f"submitted job {job_id} ({job.name}) on {job.nodes} node(s), {runs}; its script and log are "
+            f"in {job.job_dir}, CHECKPOINT_DIR is {job.checkpoint_dir}")
     say(f"next: fsdpctl jobs   fsdpctl logs {job_id} --follow   fsdpctl cancel {job_id}")
     return 0

@@ -187,6 +187,23 @@ def test_list_without_clusters_says_how_to_make_one(home, capsys):
     assert "fsdpctl up SPEC.yaml" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["tiny", "--command", "torchrun x.py"], "CONFIG 'tiny' and --command both given"),
+    ([], "give a trainer CONFIG (tiny, smoke, gpt-1b, ... or a YAML file) or your own program"),
+    (["--command", ""], "--command is empty"),
+    (["--command", "torchrun x.py", "--steps", "5"], "--steps is a setting of the trainer's CONFIG"),
+    (["--command", "torchrun x.py", "--set", "optim.lr=1"], "--set is a setting of the trainer's CONFIG"),
+])
+def test_train_runs_a_config_or_a_command_and_says_so_before_submitting(home, tmp_path, capsys, argv,
+                                                                         message):
+    """Bad `train` input is one line naming the flag and the fix, before anything reaches the cluster
+    (whose nodes do not exist: any SSH would fail differently)."""
+    local_cluster(tmp_path, "cli-train")
+    assert main(["train", *argv, "--cluster", "cli-train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fsdpctl train: {message}") and err.count("\n") == 1
+
+
 def test_a_corrupt_state_file_is_a_one_line_error(home, tmp_path):
     state = local_cluster(tmp_path)
     state.state_path.write_text(state.state_path.read_text()[:40])

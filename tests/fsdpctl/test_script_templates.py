@@ -54,6 +54,12 @@ CASES: list[tuple[str, str, Callable[[], str]]] = [
     ("templates/slurm_job.sbatch.j2", "smoke-check-job",
      lambda: slurm.render_batch_script(_job(module_args=["-m", "trainer", "--config", "smoke"],
                                             max_requeues=0, env={"FSDP_FAULT": "kill"}))),
+    ("templates/slurm_job.sbatch.j2", "users-command-job",
+     lambda: slurm.render_batch_script(_job(config="", command="torchrun --nnodes $NNODES --nproc-per-node "
+                                            "$NPROC_PER_NODE --rdzv-endpoint \"$MASTER_ADDR:$MASTER_PORT\" "
+                                            "train.py --out 'a b'"))),
+    ("templates/slurm_job.sbatch.j2", "users-python-script-job",
+     lambda: slurm.render_batch_script(_job(config="", module_args=["/shared/jobs/x/my train.py"]))),
     ("templates/slurm_jobs_probe.sh.j2", "jobs",
      lambda: render_script("templates/slurm_jobs_probe.sh.j2", root="/shared/fsdp-cluster/jobs")),
     ("templates/deploy_probe.sh.j2", "probe", lambda: render_script("templates/deploy_probe.sh.j2")),
@@ -225,3 +231,24 @@ def test_only_failed_steps_count_against_the_requeue_limit(tmp_path):
     # The next failure is past the limit of 1: the job fails with the step's status.
     assert run(3, 1) == (1, "failed 1")
     assert run(4, 0) == (0, "completed 0")
+
+
+def test_an_allocation_with_a_node_drained_by_its_prolog_starts_nothing(tmp_path):
+    """Slurm launches the batch script once every node's prolog ended, also when one failed (the
+    health check drained that node) and requeues the job just after: the script starts no step,
+    writes no status and counts no failure (issue 22, health checks)."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    script = job_dir / "job.sbatch"
+    script.write_text(slurm.render_batch_script(_job(job_dir=str(job_dir))))
+    env = _fake_commands(tmp_path, srun=f"touch {tmp_path}/srun-ran", scancel="true",
+                         scontrol='case "$2" in hostnames) echo node0;; *) echo "NodeAddr=10.0.0.1 x";; esac',
+                         sinfo=f'echo "$*" > {tmp_path}/sinfo.args; echo node1')
+    allocation = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2"}
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30,
+                          env={**env, **allocation})
+    assert proc.returncode == slurm.REQUEUE_EXIT
+    assert "job 7 run 0: node1 drained before the start: requeued" in proc.stdout
+    assert (tmp_path / "sinfo.args").read_text().split()[:3] == ["--noheader", "--nodes", "node[0-1]"]
+    assert not (tmp_path / "srun-ran").exists()
+    assert sorted(p.name for p in job_dir.iterdir()) == ["job.sbatch"]

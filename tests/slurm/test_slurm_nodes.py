@@ -1,6 +1,10 @@
 """Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module):
 after `configure --tags slurm` every node is idle in sinfo and a second configure changes nothing;
-a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a 2-node fine-tuning job
+a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a plain torchrun script that
+is not ours runs as a job with `fsdpctl train --command`, as a command line and as a script file; a
+node whose health check fails (a stand-in nvidia-smi reporting ECC errors) is drained with the reason
+by the prolog, the job waits for healthy nodes instead of running there, `fsdpctl status` shows the
+reason, and the periodic check drains the same way; a 2-node fine-tuning job
 loads a Hugging Face model from the shared file system and exports one transformers loads; a node's
 workers killed mid-job make the job requeue and finish from its checkpoint, repeating the lost steps
 with the same losses; the spot watcher drains its node on a rebalance recommendation and on an interruption
@@ -28,7 +32,12 @@ NAME = "slurm-test"
 SUBNET = "198.18.20.0/24"  # the slurm area's subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 STANDIN = Path(__file__).with_name("imds_standin.py")
+PLAIN_SCRIPT = Path(__file__).parents[2] / "examples/plain_torchrun.py"
 JOB_TIMEOUT_S = 400
+HEALTH_CONF = "/etc/slurm/node-health.conf"
+# A GPU for the health check on a node that has none: a stand-in nvidia-smi answering the check's
+# query with one GPU that has uncorrected ECC errors.
+FAULTY_NVIDIA_SMI = "#!/bin/sh\necho '0, 00000000:10:1C.0, 2, No, No'\n"
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +147,57 @@ def test_two_node_training_job_completes_and_loss_falls(cluster):
     completions = ssh(cluster, 0, "cat /var/log/slurm/jobcomp.log").stdout
     assert any(f"JobId={job_id} " in line and "JobState=COMPLETED" in line
                for line in completions.splitlines())
+
+
+def wait_for_job_end(cluster, job_id: int) -> dict:
+    ended = ("COMPLETED", "FAILED", "CANCELLED")
+    try:
+        return wait_for(lambda: (r := job(cluster, job_id))["state"] in ended and r, f"job {job_id}'s end")
+    except AssertionError as e:
+        home, env = cluster
+        log = fsdpctl(home, "logs", str(job_id), env=env, check=False).stdout
+        raise AssertionError(f"{e}; its log ends:\n{log[-3000:]}") from None
+
+
+def test_a_plain_torchrun_command_runs_as_a_job_with_the_cluster_environment(cluster):
+    """`fsdpctl train --command`: someone else's torchrun script (examples/plain_torchrun.py, plain
+    DDP on gloo), launched by the user's own torchrun line from the environment the job gives it."""
+    home, env = cluster
+    (shared(cluster) / "plain").mkdir(exist_ok=True)
+    (shared(cluster) / "plain/plain_torchrun.py").write_text(PLAIN_SCRIPT.read_text())
+    command = ('echo "node $NODE_RANK of $NNODES: rendezvous $MASTER_ADDR:$MASTER_PORT, $NPROC_PER_NODE '
+               'per node, checkpoints in $CHECKPOINT_DIR"; torchrun --nnodes "$NNODES" --nproc-per-node '
+               '"$NPROC_PER_NODE" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" '
+               '/shared/plain/plain_torchrun.py --steps 20')
+    out = fsdpctl(home, "train", "--nodes", "2", "--name", "plain-cmd", "--command", command, env=env).stdout
+    job_id = int(out.split("submitted job ")[1].split()[0])
+    row = wait_for_job_end(cluster, job_id)
+    log = fsdpctl(home, "logs", str(job_id), env=env).stdout
+    assert row["state"] == "COMPLETED" and row["status"] == "completed 0", log[-3000:]
+    assert (row["last_step"], row["loss"], row["tokens_per_s"]) == (None, None, None)  # no trainer metrics
+    job_dir = "/shared/fsdp-cluster/jobs/plain-cmd"
+    address = read_state(home, NAME)["nodes"][0]["address"]
+    for rank in (0, 1):
+        assert (f"node {rank} of 2: rendezvous {address}:29500, 1 per node, checkpoints in "
+                f"{job_dir}/checkpoints") in log
+    assert "plain_torchrun: step 20 loss" in log and "(2 processes)" in log and "done at step 20" in log
+    assert (shared(cluster) / "fsdp-cluster/jobs/plain-cmd/checkpoints/plain_torchrun.pt").exists()
+    listed = fsdpctl(home, "jobs", env=env).stdout
+    row_text = rf"^\s*{job_id} plain-cmd\s+COMPLETED\s+{NAME}-node\[0-1\]\s+- +- +-$"
+    assert re.search(row_text, listed, re.MULTILINE), listed
+
+
+def test_a_local_python_script_given_as_the_command_is_copied_and_run_under_torchrun(cluster):
+    home, env = cluster
+    out = fsdpctl(home, "train", "--nodes", "2", "--name", "plain-py", "--command", str(PLAIN_SCRIPT),
+                  env=env).stdout
+    job_id = int(out.split("submitted job ")[1].split()[0])
+    row = wait_for_job_end(cluster, job_id)
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/plain-py"
+    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    assert row["state"] == "COMPLETED", log[-3000:]
+    assert (job_dir / "plain_torchrun.py").read_text() == PLAIN_SCRIPT.read_text()
+    assert "plain_torchrun: done at step 20" in log and "(2 processes)" in log
 
 
 def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(cluster, tmp_path):
@@ -269,6 +329,72 @@ def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notic
     # Requeued, it cannot start while node 1 is drained (it needs both): cancel it, then undo the drain.
     ssh(cluster, 0, f"scancel {job_id}")
     ssh(cluster, 1, f"systemctl stop fsdp-spot-watcher; scontrol update nodename={NODES[1]} state=RESUME")
+    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
+
+
+def health_log(cluster, rank: int) -> str:
+    return ssh(cluster, rank, "journalctl --no-pager -o cat -t fsdp-node-health").stdout
+
+
+def clear_of_the_periodic_check(cluster, rank: int, margin_s: float = 30) -> None:
+    """Wait, if need be, until the node's next periodic health check (slurmctld asks for one every
+    HealthCheckInterval) is more than margin_s away, so that a fault made now meets the prolog first."""
+    defaults = Path(__file__).parents[2] / "ansible/roles/slurm/defaults/main.yml"
+    interval = yaml.safe_load(defaults.read_text())["slurm_health_check_interval"]
+    out = ssh(cluster, rank, "date +%s; journalctl --no-pager -o short-unix -t fsdp-node-health "
+              "| grep ': periodic on ' | tail -n 1").stdout.split()
+    now, last = float(out[0]), float(out[1]) if len(out) > 1 else None
+    if last is not None and (last - now) % interval < margin_s:
+        time.sleep((last - now) % interval + 5)
+
+
+def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_nodes(cluster):
+    """The prolog on node 1 finds a GPU (a stand-in nvidia-smi, with the node's expectation raised to
+    one GPU) with uncorrected ECC errors: node 1 is drained with that reason, the job is requeued and
+    waits instead of running there, `fsdpctl status` shows why; back in service, the job runs. Then
+    the periodic check (slurmd runs it at start) drains a node the same way."""
+    home, env = cluster
+    clear_of_the_periodic_check(cluster, 1)
+    ssh(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
+        f"sed -i 's/^EXPECTED_GPUS=.*/EXPECTED_GPUS=1/' {HEALTH_CONF} && "
+        f"cat > /usr/local/bin/nvidia-smi <<'EOF'\n{FAULTY_NVIDIA_SMI}EOF\n"
+        "chmod 755 /usr/local/bin/nvidia-smi")
+    job_id = train(cluster, "--steps", "10", "--name", "tiny-health")
+    expected = "health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors"
+    _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
+                         "node 1 drained by its prolog", timeout=120)
+    assert reason == expected
+    wait_for(lambda: node_states(cluster)[NODES[0]] == ("idle", "none"), "node 0 idle again", timeout=60)
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "PENDING" and r, "the requeue", timeout=60)
+    assert row["nodes"] == "" and row["reason"] != "JobHeldAdmin", row  # requeued, not held, not running
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-health"
+    # its batch script started no step (where Slurm launched it before the requeue): no status, and
+    # no failed step counted against MAX_REQUEUES
+    assert not (job_dir / "status").exists() and not (job_dir / "failures").exists()
+    assert f"prolog job {job_id} on {NODES[1]}: FAILED in " in health_log(cluster, 1)
+    status = fsdpctl(home, "status", env=env).stdout
+    assert f"slurm: 1 of 2 node(s) in service\n  {NODES[1]} drained: {expected}\n" in status
+    listed = json.loads(fsdpctl(home, "status", "--json", env=env).stdout)["node_list"]
+    assert [(n["slurm_state"], n["slurm_reason"]) for n in listed] == [("idle", None), ("drained", expected)]
+
+    # Fixed and resumed, the node takes the job, which runs on both nodes.
+    ssh(cluster, 1, f"rm /usr/local/bin/nvidia-smi && mv /tmp/node-health.conf.orig {HEALTH_CONF}")
+    ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    row = wait_for_job_end(cluster, job_id)
+    assert row["state"] == "COMPLETED" and row["nodes"] == f"{NAME}-node[0-1]", row
+    prologs = [int(m) for m in re.findall(rf"prolog job {job_id} on \S+: ok in (\d+) ms",
+                                          health_log(cluster, 0) + health_log(cluster, 1))]
+    print(f"prolog of job {job_id} on healthy nodes: {prologs} ms")
+    assert len(prologs) == 3  # node 0 at both allocations, node 1 at the second
+
+    # The periodic check: slurmd runs it when it starts, before it registers.
+    ssh(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
+        f"sed -i 's/^EXPECTED_GPUS=.*/EXPECTED_GPUS=1/' {HEALTH_CONF} && systemctl restart slurmd")
+    _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
+                         "node 1 drained by its periodic check", timeout=120)
+    assert reason == "health (periodic): nvidia-smi not found (1 GPUs expected)"
+    ssh(cluster, 1, f"mv /tmp/node-health.conf.orig {HEALTH_CONF}")
+    ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
     wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
 
 

@@ -4,8 +4,12 @@ the role's packages, and bad `fsdpctl train` input rejected with the field and a
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -130,9 +134,146 @@ def test_gres_conf_lists_the_gpus(p4d_node):
     ({"steps": 0}, "--steps 0: train for at least 1 step"),
     ({"overrides": ["lr"]}, "--set 'lr': expected KEY=VALUE"),
     ({"checkpoint_interval": 0}, "--checkpoint-interval 0: at least 1 step"),
+    ({"command": "torchrun x.py"}, "CONFIG 'tiny' and --command both given: a job runs the trainer with "
+                                   "CONFIG or your own command; drop one"),
+    ({"config": None}, "give a trainer CONFIG (tiny, smoke, gpt-1b, ... or a YAML file) or your own program "
+                       "with --command"),
+    ({"config": None, "command": "  "}, "--command is empty: give the command every node runs"),
+    ({"config": None, "command": "x.sh", "steps": 5}, "--steps is a setting of the trainer's CONFIG, not of "
+                                                       "--command: pass your program its own arguments"),
+    ({"config": None, "command": "x.sh", "overrides": ["optim.lr=1"]}, "--set is a setting of the trainer's"),
+    ({"config": None, "command": "x.sh", "checkpoint_interval": 5}, "--checkpoint-interval is a setting"),
 ])
 def test_bad_train_input_names_the_field_and_the_fix(kwargs, message):
-    request = {"name": None, "nodes": None, "steps": None, "overrides": [], "checkpoint_interval": None,
-               **kwargs}
+    request = {"config": "tiny", "command": None, "name": None, "nodes": None, "steps": None, "overrides": [],
+               "checkpoint_interval": None, **kwargs}
     with pytest.raises(UsageError, match=re.escape(message)):
         slurm.validate_request(available=2, **request)
+
+
+def test_a_command_or_a_config_alone_is_a_good_request():
+    base = {"name": None, "nodes": 2, "steps": None, "overrides": [], "checkpoint_interval": None,
+            "available": 2}
+    slurm.validate_request(config=None, command="torchrun --nnodes $NNODES x.py", **base)
+    slurm.validate_request(config="tiny", command=None, **base)
+
+
+def _stand_ins(tmp_path: Path, **scripts: str) -> dict[str, str]:
+    """An environment whose PATH finds these stand-in commands (bash bodies) first."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_a_command_job_runs_the_users_command_on_each_node_with_the_job_environment(tmp_path):
+    """The node part of a `--command` job, run here as srun runs it on node 1 of 2: the user's command
+    sees the rendezvous, the job's directories, the deployed venv first on PATH, the node's address as
+    torchrun's --local-addr, and SIGUSR1 ignored (as torchrun gets it: Slurm signals every process of
+    the step)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/torchrun").write_text("#!/bin/sh\n")
+    (venv / "bin/torchrun").chmod(0o755)
+    job = _job(job_dir=str(tmp_path / "job"), venv=str(venv), nproc=4, config="", steps=None,
+               checkpoint_interval=None, overrides=[],
+               command='printf "%s\\n" "$MASTER_ADDR:$MASTER_PORT" "$NNODES" "$NODE_RANK" "$NPROC_PER_NODE" '
+                       '"$CHECKPOINT_DIR" "$JOB_DIR" "$(command -v torchrun)" "$PWD" "$PET_LOCAL_ADDR" '
+                       '"$(awk \'/^SigIgn/ {print $2}\' /proc/self/status)"')
+    Path(job.job_dir).mkdir()
+    script = Path(job.script_path)
+    script.write_text(slurm.render_batch_script(job))
+    env = _stand_ins(tmp_path, scontrol='echo "NodeName=$3 NodeAddr=10.0.0.12 State=ALLOCATED"')
+    job_id = f"unit{os.getpid()}"
+    try:
+        slurm_env = {"SLURMD_NODENAME": "node1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+                     "SLURM_JOB_ID": job_id, "FSDP_HEAD_ADDR": "10.0.0.11"}
+        proc = subprocess.run(["bash", str(script), "--node"], capture_output=True, text=True, timeout=30,
+                              cwd=job.job_dir, env={**env, **slurm_env})
+    finally:
+        Path(f"/tmp/fsdp-job-{job_id}.agent").unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr
+    seen = proc.stdout.split("\n")
+    rendezvous, nnodes, node_rank, nproc, checkpoints, job_dir, torchrun, cwd, advertised, ignored = seen[:10]
+    assert (rendezvous, nnodes, node_rank, nproc) == ("10.0.0.11:29500", "2", "1", "4")
+    assert (checkpoints, job_dir, cwd) == (f"{job.job_dir}/checkpoints", job.job_dir, job.job_dir)
+    assert torchrun == str(venv / "bin/torchrun")
+    assert advertised == "10.0.0.12"  # the node's own address, for a torchrun the command starts
+    assert int(ignored, 16) & (1 << (signal.SIGUSR1 - 1))
+
+
+def test_a_command_job_keeps_the_batch_part_and_a_python_script_runs_under_torchrun():
+    command = slurm.render_batch_script(_job(command="torchrun --nnodes $NNODES train.py", config="",
+                                             steps=None, checkpoint_interval=None, overrides=[]))
+    trainer = slurm.render_batch_script(_job())
+    # everything but the node's program is the trainer job's: requeue, signals, environment
+    def settings(text: str) -> str:
+        head = text.split("node_main() {")[0]
+        return re.sub(r"^(USER_COMMAND|TRAINER_ARGS)=.*\n", "", head, flags=re.MULTILINE)
+
+    assert settings(command) == settings(trainer)
+    assert command.split("batch_main() {")[1] == trainer.split("batch_main() {")[1]
+    assert "TRAINER_ARGS" not in command and 'exec bash -c "$USER_COMMAND"' in command
+    script = slurm.render_batch_script(_job(module_args=["/shared/jobs/x/train.py"]))
+    assert "TRAINER_ARGS=(/shared/jobs/x/train.py)\n" in script and '"$VENV/bin/torchrun"' in script
+
+
+SINFO = ("st-node0|idle|none\n"
+         "st-node1|drained|health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors\n")
+
+
+def test_sinfo_rows_become_typed_node_states():
+    nodes = slurm.parse_node_states(SINFO + "st-node0|idle|none\n")  # a node in two partitions: once
+    assert list(nodes) == ["st-node0", "st-node1"]
+    assert nodes["st-node0"] == slurm.NodeState(name="st-node0", state="idle", reason=None)
+    assert nodes["st-node0"].in_service and not nodes["st-node1"].in_service
+    assert not slurm.parse_node_states("st-node0|idle*|Not responding\n")["st-node0"].in_service
+
+
+@pytest.fixture
+def status_of(tmp_path, monkeypatch, capsys):
+    """`fsdpctl status` (text and --json) of a 2-node local cluster whose nodes all answer and whose
+    first node's `sinfo` answers as given (exit status, output)."""
+    from fsdpctl import remote
+    from fsdpctl.cli import main
+    from fsdpctl.targets.local import nodes
+    from tests.fsdpctl.test_cli import local_cluster
+
+    monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
+    local_cluster(tmp_path, "st")
+    monkeypatch.setattr(nodes, "health", lambda state: [])
+
+    def run(returncode: int, stdout: str, stderr: str = "") -> tuple[str, dict]:
+        def sinfo(state, rank, command, **kwargs):
+            assert rank == 0 and command.startswith("sinfo ")
+            return subprocess.CompletedProcess(command, returncode, stdout, stderr)
+
+        monkeypatch.setattr(remote, "run", sinfo)
+        assert main(["status", "--cluster", "st"]) == 0
+        text = capsys.readouterr().out
+        assert main(["status", "--cluster", "st", "--json"]) == 0
+        return text, json.loads(capsys.readouterr().out)
+
+    return run
+
+
+def test_status_shows_why_slurm_drained_a_node(status_of):
+    text, status = status_of(0, SINFO)
+    assert ("slurm: 1 of 2 node(s) in service\n"
+            "  st-node1 drained: health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors\n"
+            "  once the cause is fixed: fsdpctl ssh 0 -- scontrol update nodename=NAME state=resume") in text
+    assert [(n["slurm_state"], n["slurm_reason"]) for n in status["node_list"]] == [
+        ("idle", None), ("drained", "health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors")]
+    assert status["slurm_not_asked"] is None
+
+
+def test_status_says_when_it_could_not_ask_slurm_and_is_silent_without_it(status_of):
+    refused = "slurm_load_partitions: Unable to contact slurm controller (connect failure)"
+    text, status = status_of(1, "", refused)
+    assert f"slurm: not asked (`sinfo` exited 1: {refused})" in text
+    assert status["slurm_not_asked"] == f"`sinfo` exited 1: {refused}"
+    assert status["node_list"][1]["slurm_state"] is None
+    text, status = status_of(127, "", "bash: sinfo: command not found")  # a cluster without the slurm role
+    assert "slurm:" not in text and status["slurm_not_asked"] is None
