@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_demo(args: argparse.Namespace) -> int:
     from fsdpctl.demo import run_demo
 
-    return run_demo(args, main)
+    run_demo(args.spec, nodes=args.nodes, keep=args.keep, smoke_steps=args.smoke_steps)
+    return 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ import yaml
 from fsdpctl import state as state_mod
 from fsdpctl.checkout import ANSIBLE_DIR
 from fsdpctl.console import Out, line_buffered, say
-from fsdpctl.errors import EXIT_INTERRUPTED, EXIT_OK, CommandError, UsageError
+from fsdpctl.errors import EXIT_OK, CommandError, Interrupted, UsageError
 from fsdpctl.inventory import write_inventory
 from fsdpctl.processes import processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes
@@ -264,19 +264,22 @@ def print_summary(result: ConfigureResult, out: Out = say) -> None:
             out(f"  {failure.host}: task [{failure.task}]: {failure.message}")
 
 
-def cmd_configure(args: Namespace) -> int:
+def configure(cluster: str | None = None, *, tags: str | list[str] | None = None, limit: str | None = None,
+              extra_vars: Mapping[str, Any] | None = None) -> ConfigureResult:
+    """Run ansible/site.yml on the cluster's nodes (default: the cluster brought up last), printing a
+    line per task result and a recap per host; `tags` and `limit` as ansible-playbook's. Raises
+    CommandError when the playbook fails (the run is idempotent: run it again after the fix) and
+    Interrupted when Ctrl-C or SIGTERM cancels it."""
     line_buffered()
-    state = state_mod.resolve(args.cluster)
+    state = state_mod.resolve(cluster)
     with state.operation("configure"):
-        result = run_configure(state, tags=args.tags, limit=args.limit,
-                               extra_vars=parse_extra_vars(args.extra_vars))
+        result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}))
     print_summary(result)
     if result.canceled:
-        say(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` again "
-            f"(log: {result.run_dir})")
-        return EXIT_INTERRUPTED
-    if not result.hosts and args.limit:
-        raise UsageError(f"configure ran on no host: --limit {args.limit!r} names none of the cluster's "
+        raise Interrupted(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` "
+                          f"again (log: {result.run_dir})")
+    if not result.hosts and limit:
+        raise UsageError(f"configure ran on no host: --limit {limit!r} names none of the cluster's "
                          "nodes (`fsdpctl status` lists them; excluded nodes are left out)")
     if not result.ok:
         if not result.failures:  # Ansible stopped before any task (playbook or inventory error)
@@ -285,4 +288,9 @@ def cmd_configure(args: Namespace) -> int:
         raise CommandError(f"the playbook failed; fix the cause and run `fsdpctl configure` again (it is "
                            f"idempotent). Full log: {result.run_dir / 'artifacts'}")
     say(f"configure ok on {len(result.hosts)} host(s)")
+    return result
+
+
+def cmd_configure(args: Namespace) -> int:
+    configure(args.cluster, tags=args.tags, limit=args.limit, extra_vars=parse_extra_vars(args.extra_vars))
     return EXIT_OK

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -389,12 +390,18 @@ def deployed_venv(state: ClusterState) -> str:
     return record.venv
 
 
-def cmd_deploy(args) -> int:
-    state = resolve(args.cluster)
+def deploy_cluster(cluster: str | None = None) -> DeployRecord:
+    """Build the trainer wheel and wheelhouse and install them on every node of the cluster (default:
+    the one brought up last), offline; what is unchanged since the last deploy is skipped."""
+    state = resolve(cluster)
     try:
         with state.operation("deploy"):
-            deploy(state)
+            return deploy(state)
     except DeployError as e:
-        raise CommandError(f"deploy to cluster {state.name!r} failed: {e}\n"
-                           "Fix the cause and rerun `fsdpctl deploy` (finished steps are cached).") from None
+        raise DeployError(f"deploy to cluster {state.name!r} failed: {e}\n"
+                          "Fix the cause and rerun `fsdpctl deploy` (finished steps are cached).") from None
+
+
+def cmd_deploy(args: Namespace) -> int:
+    deploy_cluster(args.cluster)
     return 0

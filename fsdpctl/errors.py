@@ -31,6 +31,13 @@ class CommandError(RuntimeError):
     exit_code = EXIT_FAILED
 
 
+class Interrupted(CommandError):
+    """Ctrl-C or SIGTERM stopped the command part-way; the message says what may be half done and
+    what to run again."""
+
+    exit_code = EXIT_INTERRUPTED
+
+
 class UsageError(CommandError):
     """The command was asked for something it cannot do as asked; nothing was changed."""
 

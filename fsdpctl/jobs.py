@@ -13,6 +13,7 @@ from typing import Any
 from fsdpctl import remote, slurm
 from fsdpctl.console import print_json, say
 from fsdpctl.scripts import render_script
+from fsdpctl.slurm import JobRow
 from fsdpctl.state import resolve
 
 
@@ -20,9 +21,15 @@ def _figure(value: Any, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def jobs(cluster: str | None = None) -> list[JobRow]:
+    """The cluster's training jobs, newest first: Slurm state, nodes, and the last step, loss and
+    tokens/s of the trainer's metrics (none for a job of the user's own command)."""
+    return slurm.list_jobs(resolve(cluster))
+
+
 def cmd_jobs(args: Namespace) -> int:
     state = resolve(args.cluster)
-    rows = slurm.list_jobs(state)
+    rows = jobs(state.name)
     if args.json:
         print_json([dataclasses.asdict(row) for row in rows])
         return 0
@@ -38,23 +45,33 @@ def cmd_jobs(args: Namespace) -> int:
     return 0
 
 
+def logs(cluster: str | None, job_id: int) -> str:
+    """A job's output so far (Slurm's slurm-JOB.out in the job's directory)."""
+    state = resolve(cluster)
+    job = slurm.find_job(state, job_id)
+    path = shlex.quote(job.log_file)
+    return slurm.run_slurm(state, f"cat {path} 2>/dev/null || echo '(no output yet)'").stdout
+
+
 def cmd_logs(args: Namespace) -> int:
+    if not args.follow:
+        sys.stdout.write(logs(args.cluster, args.job))
+        return 0
     state = resolve(args.cluster)
     job = slurm.find_job(state, args.job)
-    path = shlex.quote(job.log_file)
-    if not args.follow:
-        result = slurm.run_slurm(state, f"cat {path} 2>/dev/null || echo '(no output yet)'")
-        sys.stdout.write(result.stdout)
-        return 0
     command = render_script("templates/follow_job_log.sh.j2", log_file=job.log_file, job_id=job.job_id)
     sys.stdout.flush()
     return subprocess.call(remote.ssh_argv(state, remote.node_by_rank(state, slurm.slurm_rank(state)),
                                            command))
 
 
-def cmd_cancel(args: Namespace) -> int:
-    state = resolve(args.cluster)
-    slurm.cancel(state, args.job)
-    say(f"cancelled job {args.job}: its workers get SIGTERM and write a checkpoint; `fsdpctl train` with "
+def cancel(cluster: str | None, job_id: int) -> None:
+    """Cancel a job: its workers get SIGTERM and write a checkpoint first."""
+    slurm.cancel(resolve(cluster), job_id)
+    say(f"cancelled job {job_id}: its workers get SIGTERM and write a checkpoint; `fsdpctl train` with "
         "the same config and a new --name does not resume it (its checkpoints stay in its directory)")
+
+
+def cmd_cancel(args: Namespace) -> int:
+    cancel(args.cluster, args.job)
     return 0

@@ -15,7 +15,9 @@ import time
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from fsdpctl import state as state_mod
 from fsdpctl import targets
@@ -24,7 +26,7 @@ from fsdpctl.console import confirm, line_buffered, print_json, say, warn
 from fsdpctl.errors import CommandError, UsageError, missing_package
 from fsdpctl.inventory import write_inventory
 from fsdpctl.plan.cost import amount_text
-from fsdpctl.state import ClusterRecord, ClusterState, Exclusion
+from fsdpctl.state import ClusterRecord, ClusterState, ConfigureRecord, Exclusion, Node, Target
 from infra.spec import ClusterSpec, load_spec
 
 if TYPE_CHECKING:
@@ -62,81 +64,98 @@ def _print_nodes(record: ClusterRecord) -> None:
         say(f"{node.rank:<5} {node.name:<28} {node.address:<16} {note}".rstrip())
 
 
-def cmd_up(args: Namespace) -> int:
+def up(spec_file: Path, *, target: Target = "aws", nodes: int | None = None,
+       yes: bool = False) -> ClusterRecord:
+    """Create the cluster `spec_file` describes on `target` (or find it already up) and write its
+    inventory; returns its record (nodes, addresses). `nodes` overrides node_count on the local
+    target. What costs money is asked first, unless `yes`."""
     line_buffered()
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_file)
     for warning in spec.warnings():
         warn(warning)
-    if args.target == "aws" and args.nodes is not None:
-        raise UsageError(f"--nodes applies to the local target only; on aws set node_count in {args.spec}")
-    if args.nodes is not None and args.nodes < 1:
-        raise UsageError(f"--nodes {args.nodes}: a cluster needs at least 1 node; use e.g. --nodes 2")
-    node_count = args.nodes or spec.node_count
-    target = targets.get(args.target)
-    target.check_prerequisites(f"fsdpctl up --target {target.NAME}")
+    if target == "aws" and nodes is not None:
+        raise UsageError(f"--nodes applies to the local target only; on aws set node_count in {spec_file}")
+    if nodes is not None and nodes < 1:
+        raise UsageError(f"--nodes {nodes}: a cluster needs at least 1 node; use e.g. --nodes 2")
+    node_count = nodes or spec.node_count
+    provider = targets.get(target)
+    provider.check_prerequisites(f"fsdpctl up --target {provider.NAME}")
     state = state_mod.cluster_state(spec.name)
     with state.operation("up"):
         if state.exists():
             record = state.read()
-            if record.target != target.NAME:
+            if record.target != provider.NAME:
                 raise UsageError(f"cluster {spec.name} already exists on the {record.target} target; run "
                                  f"`fsdpctl down --cluster {spec.name}` first, or give the spec another name")
-            if not target.UPDATES_IN_PLACE:
+            if not provider.UPDATES_IN_PLACE:
                 differences = _differences(state, record, spec, node_count)
                 if differences:
                     raise UsageError(f"cluster {spec.name} already exists and differs: "
                                      f"{'; '.join(differences)}. Run `fsdpctl down --cluster {spec.name}` "
                                      "first, or give the spec another name")
-                problems = target.health(state)
+                problems = provider.health(state)
                 if problems:
                     raise UsageError(f"cluster {spec.name} already exists but is not healthy: "
                                      f"{'; '.join(problems)}. Run `fsdpctl down --cluster {spec.name}`, "
                                      "then `fsdpctl up` again")
                 state_mod.set_current(spec.name)
                 say(f"cluster {spec.name} is already up with {node_count} healthy node(s); nothing to do")
-                return 0
+                return record
             state_mod.set_current(spec.name)
             existing = True
         else:
-            state = state_mod.create(args.spec, spec, target.NAME, node_count=node_count)
+            state = state_mod.create(spec_file, spec, provider.NAME, node_count=node_count)
             existing = False
 
         def approve(question: str) -> None:
-            confirm(question, yes=args.yes)
+            confirm(question, yes=yes)
             if existing:  # the cluster's spec copy (what extend, replace and down read) changes on a yes
-                state_mod.write_kept(state.spec_path, args.spec.read_text())
+                state_mod.write_kept(state.spec_path, spec_file.read_text())
                 state.update(node_count=node_count)
 
         try:
             with _sigterm_as_interrupt():
-                target.up(state, spec, node_count=node_count, out=say, approve=approve)
+                provider.up(state, spec, node_count=node_count, out=say, approve=approve)
         except BaseException:
             record = state.read()
             if record.local is None and record.pulumi_stack is None:  # nothing was created
                 state.remove()
             raise
     path = write_inventory(state)
-    _print_nodes(state.read())
+    record = state.read()
+    _print_nodes(record)
     say(f"inventory: {path}\nnext: fsdpctl configure   (or: fsdpctl ssh 0 -- hostname)")
+    return record
+
+
+def cmd_up(args: Namespace) -> int:
+    up(args.spec, target=args.target, nodes=args.nodes, yes=args.yes)
     return 0
 
 
-def cmd_down(args: Namespace) -> int:
+def down(cluster: str | None = None, *, force: bool = False, yes: bool = False) -> None:
+    """Tear the cluster down (default: the one brought up last) and sweep for leftovers, after asking
+    unless `yes`; `force` also gets through a garbled state and (aws) deletes what the sweep finds.
+    Its reports are kept."""
     line_buffered()
-    state = state_mod.resolve(args.cluster, readable=not args.force)
+    state = state_mod.resolve(cluster, readable=not force)
     with state.operation("down"):  # held before any repair: a running command may still write
-        if args.force:  # gets through a truncated or garbled state.json or spec copy
+        if force:  # gets through a truncated or garbled state.json or spec copy
             state.restore_unreadable(warn)
         record, spec = state.read(), state.spec()
-        target = targets.get(record.target)
-        lines = "\n".join(f"  - {line}" for line in target.destruction(state, spec))
+        provider = targets.get(record.target)
+        lines = "\n".join(f"  - {line}" for line in provider.destruction(state, spec))
         say(f"fsdpctl down destroys cluster {state.name} ({record.target}):\n{lines}")
-        confirm(f"Destroy cluster {state.name}?", yes=args.yes)
+        confirm(f"Destroy cluster {state.name}?", yes=yes)
         stop_orphaned_playbooks(state)  # a killed configure's playbook must not outlive its nodes
-        target.down(state, spec, force=args.force, out=say)
+        provider.down(state, spec, force=force, out=say)
         state.remove()
     kept = f"; its reports stay in {state.reports_dir}" if state.reports_dir.exists() else ""
     say(f"cluster {state.name} is down; its state dir {state.root} is removed{kept}")
+
+
+def cmd_down(args: Namespace) -> int:
+    down(args.cluster, force=args.force, yes=args.yes)
     return 0
 
 
@@ -160,27 +179,91 @@ def expiry_text(expires_at: str | None, now: dt.datetime | None = None, *, left:
     return f"{expires_at} (in {_age(remaining.total_seconds())})" if left else expires_at
 
 
-def _summary(state: ClusterState, record: ClusterRecord) -> dict[str, Any]:
-    """What `list` and `status` show of a cluster, as plain values."""
-    spec = state.spec()
-    return {"name": state.name, "target": record.target, "instance_type": spec.instance_type,
-            "nodes": len(record.nodes), "excluded": sorted(record.excluded_ranks()),
-            "created_at": dt.datetime.fromtimestamp(record.created_at, dt.UTC).isoformat(timespec="seconds"),
-            "age": _age(time.time() - record.created_at), "expires_at": record.expires_at,
-            "expired": bool(record.expires_at) and expiry_text(record.expires_at).endswith("(EXPIRED)"),
-            "cost_per_hour": 0.0 if record.target == "local" else record.cost_per_hour,
-            "cost_per_hour_max": None if record.target == "local" else record.cost_per_hour_max,
-            # `up` recorded an estimate (the cluster may bill); without a total, its cap or nothing.
-            "cost_recorded": record.target == "aws" and record.pulumi_stack is not None}
+class ClusterSummary(BaseModel):
+    """What `list` and `status` show of a cluster (`--json` writes these fields)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    target: Target
+    instance_type: str
+    nodes: int
+    excluded: list[int]
+    """The ranks `fsdpctl exclude` took out of service."""
+    created_at: str
+    age: str
+    expires_at: str | None
+    expired: bool
+    cost_per_hour: float | None
+    """The plan's estimate recorded at `up` (0 on the local target; None: not a fixed price)."""
+    cost_per_hour_max: float | None
+    """Its cap where the price varies (spot), else None."""
+    cost_recorded: bool
+    """`up` recorded an estimate: the cluster may bill."""
+
+    @classmethod
+    def of(cls, state: ClusterState, record: ClusterRecord) -> ClusterSummary:
+        spec = state.spec()
+        created = dt.datetime.fromtimestamp(record.created_at, dt.UTC).isoformat(timespec="seconds")
+        return cls(name=state.name, target=record.target, instance_type=spec.instance_type,
+                   nodes=len(record.nodes), excluded=sorted(record.excluded_ranks()), created_at=created,
+                   age=_age(time.time() - record.created_at), expires_at=record.expires_at,
+                   expired=bool(record.expires_at) and expiry_text(record.expires_at).endswith("(EXPIRED)"),
+                   cost_per_hour=0.0 if record.target == "local" else record.cost_per_hour,
+                   cost_per_hour_max=None if record.target == "local" else record.cost_per_hour_max,
+                   cost_recorded=record.target == "aws" and record.pulumi_stack is not None)
+
+    def hourly(self) -> str:
+        """The list's USD/HOUR column: the estimate, "<=" its cap, "unknown", or "-" (none recorded)."""
+        if self.cost_per_hour is not None:
+            return f"{self.cost_per_hour:,.2f}"
+        if self.cost_per_hour_max is not None:
+            return f"<={self.cost_per_hour_max:,.2f}"
+        return "unknown" if self.cost_recorded else "-"
 
 
-def _hourly(summary: dict[str, Any]) -> str:
-    """The list's USD/HOUR column: the estimate, "<=" its cap, "unknown", or "-" (none recorded)."""
-    if summary["cost_per_hour"] is not None:
-        return f"{summary['cost_per_hour']:,.2f}"
-    if summary["cost_per_hour_max"] is not None:
-        return f"<={summary['cost_per_hour_max']:,.2f}"
-    return "unknown" if summary["cost_recorded"] else "-"
+class ListedCluster(ClusterSummary):
+    """A row of `fsdpctl list`."""
+
+    current: bool
+    """The cluster commands act on without --cluster."""
+
+
+class UnreadableCluster(BaseModel):
+    """A row of `fsdpctl list` for a cluster whose state cannot be read (listed, not a reason to fail)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    error: str
+    current: bool
+
+
+class NodeStatus(Node):
+    """A node as `status` shows it: the state's record, whether it is excluded, and Slurm's view."""
+
+    excluded: bool
+    slurm_state: str | None
+    """Slurm's state of the node (idle, allocated, drained, ...); None where Slurm was not asked."""
+    slurm_reason: str | None
+    """Why Slurm has it drained or down (a health check's finding, `fsdpctl exclude`'s reason)."""
+
+
+class ClusterStatus(ClusterSummary):
+    """What `fsdpctl status` knows of a cluster: the state file's record and, where the target and
+    the nodes could be asked, their live health and Slurm's view of each node."""
+
+    state_dir: str
+    shared_dir: str | None
+    health: Literal["ok", "unknown"] | list[str]
+    """ok, what makes the cluster unusable, or unknown where it could not be asked."""
+    health_not_refreshed: str | None
+    """Why the live health could not be asked (no credentials, the extra not installed, ...)."""
+    slurm_not_asked: str | None
+    node_list: list[NodeStatus]
+    last_configure: ConfigureRecord | None
+    last_report: str | None
+    reports_dir: str
 
 
 def _live_health(state: ClusterState, record: ClusterRecord) -> tuple[list[str] | None, str | None]:
@@ -198,12 +281,6 @@ def _live_health(state: ClusterState, record: ClusterRecord) -> tuple[list[str] 
         if missing is None:
             raise
         return None, str(missing)
-
-
-def _slurm_fields(slurm_nodes: dict[str, NodeState] | None, name: str) -> dict[str, str | None]:
-    """A node's Slurm state and reason for `status --json` (None: not known)."""
-    node = (slurm_nodes or {}).get(name)
-    return {"slurm_state": node.state if node else None, "slurm_reason": node.reason if node else None}
 
 
 def _slurm_nodes(state: ClusterState, record: ClusterRecord,
@@ -239,46 +316,66 @@ def _print_slurm_nodes(slurm_nodes: dict[str, NodeState] | None, not_asked: str 
             "(docs/slurm.md, node health checks)")
 
 
+def status(cluster: str | None = None) -> ClusterStatus:
+    """The cluster's record, with its live health and each node's Slurm state where they can be asked
+    (else what the state file knows, and why it was not refreshed)."""
+    state = state_mod.resolve(cluster)
+    record = state.read()
+    problems, not_refreshed = _live_health(state, record)
+    slurm_nodes, slurm_not_asked = _slurm_nodes(state, record, problems)
+    excluded = record.excluded_ranks()
+
+    def node_status(node: Node) -> NodeStatus:
+        seen = (slurm_nodes or {}).get(node.name)
+        return NodeStatus(**node.model_dump(), excluded=node.rank in excluded, slurm_state=seen.state if seen
+                          else None, slurm_reason=seen.reason if seen else None)
+
+    return ClusterStatus(**ClusterSummary.of(state, record).model_dump(), state_dir=str(state.root),
+                         shared_dir=record.shared_dir,
+                         health="unknown" if problems is None else problems or "ok",
+                         health_not_refreshed=not_refreshed, slurm_not_asked=slurm_not_asked,
+                         node_list=[node_status(n) for n in record.nodes],
+                         last_configure=record.last_configure, last_report=record.last_report,
+                         reports_dir=str(state.reports_dir))
+
+
 def cmd_status(args: Namespace) -> int:
     state = state_mod.resolve(args.cluster)
-    record = state.read()
-    summary = _summary(state, record)
-    problems, not_refreshed = _live_health(state, record)
-    health = "unknown" if problems is None else problems or "ok"
-    slurm_nodes, slurm_not_asked = _slurm_nodes(state, record, problems)
-    summary.update(state_dir=str(state.root), shared_dir=record.shared_dir, health=health,
-                   health_not_refreshed=not_refreshed, slurm_not_asked=slurm_not_asked,
-                   node_list=[{**n.model_dump(), "excluded": n.rank in record.excluded_ranks(),
-                               **_slurm_fields(slurm_nodes, n.name)} for n in record.nodes],
-                   last_configure=record.last_configure.model_dump() if record.last_configure else None,
-                   last_report=record.last_report, reports_dir=str(state.reports_dir))
+    summary = status(state.name)
     if args.json:
-        print_json(summary)
+        print_json(summary.model_dump(mode="json"))
         return 0
+    record = state.read()
     say(f"cluster {state.name}: target {record.target}, {len(record.nodes)} node(s), created "
-        f"{summary['age']} ago, state {state.root}")
+        f"{summary.age} ago, state {state.root}")
     if record.expires_at:
-        if summary["expired"]:
+        if summary.expired:
             say(f"EXPIRED at {record.expires_at}: the expiry schedules stopped "
                 f"{state.spec().stopped_at_expiry()}; `fsdpctl up {state.spec_path}` brings them back, "
                 f"`fsdpctl down --cluster {state.name}` removes the rest")
         else:
             say(f"expires at {expiry_text(record.expires_at, left=True)}; `fsdpctl extend --hours N` "
                 "moves it")
-    hourly = amount_text(summary["cost_per_hour"], summary["cost_per_hour_max"]) + " per hour"
-    if summary["cost_recorded"] and summary["expired"]:
+    hourly = amount_text(summary.cost_per_hour, summary.cost_per_hour_max) + " per hour"
+    if summary.cost_recorded and summary.expired:
         say(f"cost: only the checkpoint bucket's S3 storage since the expiry ({hourly} once `up` brings "
             "it back)")
-    elif summary["cost_recorded"]:
+    elif summary.cost_recorded:
         say(f"cost: {hourly} (the plan's estimate at `up`; `fsdpctl plan` shows why)")
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
     _print_nodes(record)
-    _print_slurm_nodes(slurm_nodes, slurm_not_asked)
-    if problems is None:
-        say(f"health: not refreshed ({not_refreshed}); the above is what the state file recorded")
+    from fsdpctl.slurm import NodeState
+
+    seen = {n.name: NodeState(n.name, n.slurm_state, n.slurm_reason) for n in summary.node_list
+            if n.slurm_state is not None}
+    _print_slurm_nodes(seen or None, summary.slurm_not_asked)
+    if summary.health == "unknown":
+        say(f"health: not refreshed ({summary.health_not_refreshed}); the above is what the state file "
+            "recorded")
     else:
-        say("health: " + ("every node answers over SSH" if not problems else "; ".join(problems)))
+        problems = "every node answers over SSH" if summary.health == "ok" else "; ".join(summary.health)
+        say(f"health: {problems}")
     last = record.last_configure
     if last:
         say(f"last configure: {'ok' if last.ok else 'FAILED'} at {last.time} ({last.run_dir})")
@@ -289,30 +386,37 @@ def cmd_status(args: Namespace) -> int:
     return 0
 
 
-def cmd_list(args: Namespace) -> int:
+def list_clusters() -> list[ListedCluster | UnreadableCluster]:
+    """Every cluster under FSDPCTL_HOME, the one commands act on by default marked current."""
     current = (state_mod.home() / "current")
     current_name = current.read_text().strip() if current.exists() else None
-    rows = []
+    rows: list[ListedCluster | UnreadableCluster] = []
     for state in state_mod.known_clusters():
         try:
-            rows.append({**_summary(state, state.read()), "current": state.name == current_name})
+            summary = ClusterSummary.of(state, state.read())
+            rows.append(ListedCluster(**summary.model_dump(), current=state.name == current_name))
         except (UsageError, OSError) as e:  # a broken cluster is listed, not a reason to fail the list
-            rows.append({"name": state.name, "error": str(e), "current": state.name == current_name})
+            rows.append(UnreadableCluster(name=state.name, error=str(e), current=state.name == current_name))
+    return rows
+
+
+def cmd_list(args: Namespace) -> int:
+    rows = list_clusters()
     if args.json:
-        print_json(rows)
+        print_json([row.model_dump(mode="json") for row in rows])
         return 0
     if not rows:
         say(f"no clusters under {state_mod.home()}; create one with `fsdpctl up SPEC.yaml`")
         return 0
     say(f"  {'NAME':<20} {'TARGET':<6} {'NODES':>5} {'AGE':>7} {'EXPIRES (UTC)':<34} {'USD/HOUR':>9}")
     for row in rows:
-        mark = "*" if row["current"] else " "
-        if "error" in row:
-            say(f"{mark} {row['name']:<20} {row['error']}")
+        mark = "*" if row.current else " "
+        if isinstance(row, UnreadableCluster):
+            say(f"{mark} {row.name:<20} {row.error}")
             continue
-        cost = "-" if row["expired"] else _hourly(row)
-        say(f"{mark} {row['name']:<20} {row['target']:<6} {row['nodes']:>5} {row['age']:>7} "
-            f"{expiry_text(row['expires_at']):<34} {cost:>9}")
+        cost = "-" if row.expired else row.hourly()
+        say(f"{mark} {row.name:<20} {row.target:<6} {row.nodes:>5} {row.age:>7} "
+            f"{expiry_text(row.expires_at):<34} {cost:>9}")
     return 0
 
 

@@ -5,17 +5,33 @@ the script; docs/slurm.md)."""
 from __future__ import annotations
 
 from argparse import Namespace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from fsdpctl import slurm
 from fsdpctl.console import say
+from fsdpctl.slurm import TrainJob
 from fsdpctl.state import resolve
 
 
-def cmd_train(args: Namespace) -> int:
-    state = resolve(args.cluster)
-    job_id, job = slurm.submit(state, args.config, command=args.user_command, nodes=args.nodes,
-                               steps=args.steps, overrides=args.overrides, name=args.name,
-                               checkpoint_interval=args.checkpoint_interval)
+@dataclass(frozen=True)
+class SubmittedJob:
+    """A job `train` handed to Slurm: its id and what it runs where."""
+
+    job_id: int
+    job: TrainJob
+
+
+def train(cluster: str | None = None, config: str | None = None, *, command: str | None = None,
+          nodes: int | None = None, steps: int | None = None, overrides: Sequence[str] = (),
+          name: str | None = None, checkpoint_interval: int | None = None) -> SubmittedJob:
+    """Submit a run of the trainer with `config` (a shipped name or a YAML file; `overrides` as
+    KEY=VALUE), or of `command` (a command line or a local script), to the cluster's Slurm as a
+    requeueable job on `nodes` nodes (default: every usable one); bad input is refused before
+    anything is submitted."""
+    state = resolve(cluster)
+    job_id, job = slurm.submit(state, config, command=command, nodes=nodes, steps=steps,
+                               overrides=list(overrides), name=name, checkpoint_interval=checkpoint_interval)
     if job.command is None and job.module_args is None:
         say(f"submitted job {job_id} ({job.name}) on {job.nodes} node(s) x {job.nproc} process(es); its "
             f"script, log, metrics and checkpoints are in {job.job_dir}")
@@ -25,4 +41,10 @@ def cmd_train(args: Namespace) -> int:
         say(f"submitted job {job_id} ({job.name}) on {job.nodes} node(s), {runs}; its script and log are "
             f"in {job.job_dir}, CHECKPOINT_DIR is {job.checkpoint_dir}")
     say(f"next: fsdpctl jobs   fsdpctl logs {job_id} --follow   fsdpctl cancel {job_id}")
+    return SubmittedJob(job_id, job)
+
+
+def cmd_train(args: Namespace) -> int:
+    train(args.cluster, args.config, command=args.user_command, nodes=args.nodes, steps=args.steps,
+          overrides=args.overrides, name=args.name, checkpoint_interval=args.checkpoint_interval)
     return 0

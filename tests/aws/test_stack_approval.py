@@ -5,7 +5,6 @@ the cost `up` asks about is never the priced part passed off as the whole."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -158,7 +157,7 @@ def test_a_declined_up_keeps_the_clusters_spec_copy(declined, tmp_path, monkeypa
     changed = tmp_path / "changed.yaml"
     changed.write_text(json.dumps(DECLINED.model_dump(mode="json")))
     with pytest.raises(UsageError, match="no terminal"):  # no terminal, no --yes: the answer is no
-        lifecycle.cmd_up(argparse.Namespace(spec=changed, target="aws", nodes=None, yes=False))
+        lifecycle.up(changed, target="aws")
     assert state.spec_path.read_bytes() == approved
     assert state.read().node_count is None
 

@@ -142,7 +142,7 @@ def test_sigterm_cancels_configure_and_leaves_no_process(first_run, cluster):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, "".join(seen) + out + err
-    assert "configure canceled" in out
+    assert "fsdpctl configure: configure canceled" in err
     deadline = time.monotonic() + 30  # killed workers may take a moment to be reaped
     while (left := processes_mentioning(cluster)) and time.monotonic() < deadline:
         time.sleep(0.5)
