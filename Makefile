@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
 HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 iputils-ping rsync shellcheck
 
-.PHONY: demo plan test lint host-packages clean gpu-check
+.PHONY: demo plan check test lint host-packages clean gpu-check
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -33,6 +33,11 @@ plan: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The loop to run while working (README): lint, then every test that boots no local node and is not
+# marked slow, on every core. `make test` runs them all, as CI does.
+check: $(STAMP) lint
+	$(BIN)/pytest -q -m "not root and not slow" -n auto
 
 test: $(STAMP) host-packages lint
 	$(BIN)/pytest

@@ -40,6 +40,7 @@ def test_site_playbook_syntax(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_ansible_lint_production_profile_is_clean(tmp_path):
     result = subprocess.run(
         [str(BIN / "ansible-lint"), "--offline", "--profile", "production", "--nocolor"],

@@ -193,6 +193,7 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert "./gpt_oss_layers/model-config.json" in names
 
 
+@pytest.mark.slow
 def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(tmp_path):
     """The step's command path on CPU: the bundled gpt-oss-20b architecture cut to 4 blocks at tiny widths,
     its estimate, and 5 steps through bench/gpu_check/moe_paths.py, summarised."""
@@ -210,6 +211,7 @@ def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(tmp_path):
     assert written["rope_scaling"]["rope_type"] == "yarn" and written["model_type"] == "gpt_oss"
 
 
+@pytest.mark.slow
 def test_gpt_oss_layers_beyond_the_model_fail_the_step_with_the_fix(tmp_path):
     out = tmp_path / "out"
     result = run("--dry-run", "--only", "gpt_oss_layers", "--out", str(out), GPU_CHECK_GPT_OSS_LAYERS="25")
@@ -286,6 +288,7 @@ def _python_without_pydantic(tmp_path: Path) -> Path:
     return python
 
 
+@pytest.mark.slow
 def test_missing_module_installs_from_wheels_only_and_refuses_when_it_cannot(tmp_path):
     python = _python_without_pydantic(tmp_path)
     wheels = tmp_path / "wheels"

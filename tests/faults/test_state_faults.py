@@ -57,6 +57,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, path: Path, name:
 
 @pytest.mark.parametrize("how", GARBLE)
 @pytest.mark.parametrize("which", ["state.json", "spec.yaml"])
+@pytest.mark.slow
 def test_a_broken_state_file_is_one_line_for_every_command_and_down_force_repairs(
         home, tmp_path, fault, how, which):
     state = brought_up(tmp_path, "flt-state")

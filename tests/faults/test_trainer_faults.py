@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 
+import pytest
+
 from tests.faults.test_checkpoint_faults import _wait_for, training
 from tests.trainer.test_checkpoint_train import TRAIN, step_metrics
 from tests.trainer.test_checkpoint_worker import TORCHRUN
@@ -17,6 +19,7 @@ from tests.trainer.test_checkpoint_worker import TORCHRUN
 TIMEOUT_S = 30  # the lowest distributed.timeout_s the trainer accepts
 
 
+@pytest.mark.slow
 def test_a_frozen_rank_makes_the_other_fail_after_the_configured_timeout(tmp_path, fault):
     metrics = tmp_path / "metrics.jsonl"
     argv = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *TRAIN, "--steps", "100000",

@@ -140,6 +140,7 @@ def test_a_total_without_a_gpu_price_or_bound_is_unknown_and_says_why(overrides)
     assert "Total: unknown" in text and "Total: 0." not in text
 
 
+@pytest.mark.slow
 def test_every_region_of_the_offerings_table_is_priced():
     """The GPU price is the region's own (offerings table); NAT, IPv4, EBS and the bastion borrow
     the fallback region's rates and say so."""

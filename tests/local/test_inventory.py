@@ -131,6 +131,7 @@ def test_inventory_of_a_cluster_without_nodes_is_a_clear_error(home, tmp_path):
         build_inventory(state)
 
 
+@pytest.mark.slow
 def test_exclude_validates_rank_and_reason_and_drops_a_fully_excluded_inventory(home, tmp_path):
     state = local_state(tmp_path)
     write_inventory(state)

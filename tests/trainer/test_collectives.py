@@ -41,6 +41,7 @@ def test_refuses_to_run_outside_torchrun():
     assert "torchrun" in proc.stderr
 
 
+@pytest.mark.slow
 def test_two_rank_gloo_run_reports_consistent_bandwidth(tmp_path):
     out = tmp_path / "bw.json"
     proc = subprocess.run(

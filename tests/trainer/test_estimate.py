@@ -21,6 +21,7 @@ from trainer.config import ConfigError, load_config
 from trainer.estimate import GIB, estimate
 
 
+@pytest.mark.slow
 def test_estimate_against_measured_cpu_peaks(tmp_path):
     out = tmp_path / "peaks.json"
     done = subprocess.run([sys.executable, "-m", "tests.trainer.estimate_worker", str(out)], cwd=REPO,

@@ -183,6 +183,7 @@ def test_moe_block_equals_transformers_and_grouped_equals_loop(gpt_oss):
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.slow
 def test_eval_equals_transformers(gpt_oss, docs, nproc):
     path, texts = docs
     want_loss, want_tokens = reference_eval(gpt_oss, texts, SEQ_LEN)
@@ -214,6 +215,7 @@ def test_sinks_window_and_yarn_each_change_the_loss(gpt_oss, docs, tmp_path):
 
 
 @pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 2), (4, 2)])
+@pytest.mark.slow
 def test_eval_with_expert_parallelism_equals_transformers(gpt_oss, docs, nproc, expert_parallel):
     path, texts = docs
     want_loss, want_tokens = reference_eval(gpt_oss, texts, SEQ_LEN)
@@ -223,6 +225,7 @@ def test_eval_with_expert_parallelism_equals_transformers(gpt_oss, docs, nproc, 
 
 
 @pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 1), (4, 2), (4, 4)])
+@pytest.mark.slow
 def test_one_step_gradients_equal_transformers(gpt_oss, docs, tmp_path, nproc, expert_parallel):
     """Without expert parallelism, and with it: 4 ranks as 2 expert groups of 2 (each expert's
     gradient reduced over the 2 ranks that hold it, scaled to the world's average), and as one group
@@ -259,6 +262,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exponent + 127).to(torch.uint8)
 
 
+@pytest.mark.slow
 def test_mxfp4_experts_load_as_transformers_dequantises_them(gpt_oss, docs, tmp_path):
     """The trainer reads a checkpoint whose experts are MXFP4 (quantised here by hand) to the same loss
     as transformers on the checkpoint its own dequantiser (integrations.mxfp4) makes of them."""
@@ -314,6 +318,7 @@ def _losses(metrics: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in records if "loss" in record}
 
 
+@pytest.mark.slow
 def test_train_with_expert_parallelism_export_reload_and_resume_without_it(gpt_oss, docs, tmp_path):
     path, texts = docs
     trained = tmp_path / "ep2"
@@ -349,6 +354,7 @@ def test_train_with_expert_parallelism_export_reload_and_resume_without_it(gpt_o
     assert after < before - 0.05
 
 
+@pytest.mark.slow
 def test_lora_with_expert_parallelism_exports_a_peft_adapter(gpt_oss, docs, tmp_path):
     path, texts = docs
     _train(tmp_path, gpt_oss, path, 2, "--set", "parallel.lora.rank=4", "--set", "parallel.lora.alpha=8",

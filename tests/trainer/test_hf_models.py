@@ -64,6 +64,7 @@ def _json_line(proc: subprocess.CompletedProcess) -> dict:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_eval_equals_transformers_on_one_rank(models, docs, family):
     path, texts = docs
     want_loss, want_tokens = reference_eval(models[family], texts, SEQ_LEN)
@@ -73,6 +74,7 @@ def test_eval_equals_transformers_on_one_rank(models, docs, family):
 
 
 @pytest.mark.parametrize("family", ["llama-tied", "qwen3"])
+@pytest.mark.slow
 def test_eval_equals_transformers_on_two_ranks(models, docs, family):
     path, texts = docs
     want_loss, want_tokens = reference_eval(models[family], texts, SEQ_LEN)
@@ -80,6 +82,7 @@ def test_eval_equals_transformers_on_two_ranks(models, docs, family):
     assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
 
 
+@pytest.mark.slow
 def test_chat_eval_counts_assistant_replies_only(models, tmp_path):
     chats = chat_examples(8)
     path = tmp_path / "chats.jsonl"
@@ -101,6 +104,7 @@ def test_chat_eval_counts_assistant_replies_only(models, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama-tied"])
+@pytest.mark.slow
 def test_one_step_gradients_equal_transformers(models, docs, tmp_path, family):
     path, _ = docs
     out = tmp_path / "grads.json"
@@ -132,6 +136,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("strategy", "nproc"), [("FULL_SHARD", 2), ("HYBRID_SHARD", 4)])
+@pytest.mark.slow
 def test_train_export_reload_in_transformers(models, docs, tmp_path, strategy, nproc):
     path, texts = docs
     source = models["qwen3"]
@@ -180,6 +185,7 @@ def test_train_export_reload_in_transformers(models, docs, tmp_path, strategy, n
         assert any("SHA256 mismatch" in p for p in verify_checkpoint(again))
 
 
+@pytest.mark.slow
 def test_lora_exports_a_peft_adapter_and_merged_weights(models, docs, tmp_path):
     path, texts = docs
     source = models["llama"]
@@ -210,6 +216,7 @@ def test_lora_exports_a_peft_adapter_and_merged_weights(models, docs, tmp_path):
     assert after < before
 
 
+@pytest.mark.slow
 def test_loading_reads_each_ranks_rows_only(tmp_path):
     """A 4-layer, hidden-1024 model saved in fp32 (~66 MB): the peak resident set of each of 2 ranks
     grows by about its half while loading, far below the whole model."""
@@ -301,6 +308,7 @@ def test_tokenizer_larger_than_the_embedding(docs, tmp_path):
     assert "tokenizer.json" in _problem(e) and "256" in _problem(e)
 
 
+@pytest.mark.slow
 def test_model_and_data_from_s3_on_two_ranks(models, docs, tmp_path, moto_s3):
     """model.hf_dir and data.path as s3:// prefixes (a moto server on loopback): downloaded once into
     the cache before any process group, then the same loss as from the local copies."""

@@ -159,6 +159,7 @@ def test_aux_loss_equals_transformers(moe):
     assert router_aux_loss([ours_block.stats], 8).item() == pytest.approx(want.item(), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_equals_transformers_on_two_ranks(moe, docs):
     path, texts = docs
     want_loss, want_tokens = reference_eval(moe, texts, SEQ_LEN)
@@ -166,6 +167,7 @@ def test_eval_equals_transformers_on_two_ranks(moe, docs):
     assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
 
 
+@pytest.mark.slow
 def test_one_step_gradients_equal_transformers(moe, docs, tmp_path):
     path, _ = docs
     out = tmp_path / "grads.json"
@@ -178,6 +180,7 @@ def test_one_step_gradients_equal_transformers(moe, docs, tmp_path):
     assert max(worst.values()) < 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
 
 
+@pytest.mark.slow
 def test_train_export_reload_in_transformers(moe, docs, tmp_path):
     path, texts = docs
     summary = _train(tmp_path, moe, path, 2, "--set", "model.router_aux_loss_coef=0.01")

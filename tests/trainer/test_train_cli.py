@@ -84,6 +84,7 @@ def test_progress_and_sharding_report_on_rank_0(tiny_run):
     assert "rank 1: 66720 of 133440 parameter elements (50.0%)" in stderr
 
 
+@pytest.mark.slow
 def test_trains_on_a_token_file(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
