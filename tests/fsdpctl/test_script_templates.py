@@ -8,7 +8,6 @@ itself."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from fsdpctl import deploy, slurm
 from fsdpctl.checks import nodes, torchrun
 from fsdpctl.scripts import PACKAGE_DIR, render_script
+from tests.stand_ins import stand_in_commands
 
 REPO = PACKAGE_DIR.parent
 SHELLCHECK_MISSING = ("shellcheck is not installed, and the tests lint every node script with it: run "
@@ -135,16 +135,6 @@ def test_batch_script_asks_for_gpus_and_exports_the_jobs_environment_only_when_g
     assert gpu.startswith("#!/bin/bash\n")
 
 
-def _fake_commands(tmp_path: Path, **scripts: str) -> dict[str, str]:
-    """An environment whose PATH finds these stand-in commands (bash bodies) first."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in scripts.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-
-
 def test_leftover_agents_are_stopped_and_their_pid_files_removed(tmp_path):
     agent = subprocess.Popen(["sleep", "60"])
     # Reaped as soon as it dies, as the nodes' agents are (a zombie would still answer `kill -0`).
@@ -169,7 +159,7 @@ def test_following_a_log_prints_it_and_ends_with_the_job(tmp_path):
     log = tmp_path / "jobs dir" / "slurm-7.out"
     log.parent.mkdir()
     log.write_text("step 1\n")
-    env = _fake_commands(tmp_path, squeue=f'echo "$*" >> {tmp_path}/squeue.args')  # the job is gone
+    env = stand_in_commands(tmp_path, squeue=f'echo "$*" >> {tmp_path}/squeue.args')  # the job is gone
     script = render_script("templates/follow_job_log.sh.j2", log_file=str(log), job_id=7)
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env)
     assert proc.returncode == 0 and proc.stdout == "step 1\n"
@@ -178,7 +168,7 @@ def test_following_a_log_prints_it_and_ends_with_the_job(tmp_path):
 
 def test_boot_settle_restarts_each_failed_unit_once_and_reports_the_state(tmp_path):
     # systemctl stand-in: two units failed until reset-failed; every call is recorded
-    env = _fake_commands(tmp_path, systemctl=f"""echo "$*" >> {tmp_path}/calls
+    env = stand_in_commands(tmp_path, systemctl=f"""echo "$*" >> {tmp_path}/calls
 case "$1" in
   is-system-running) echo running ;;
   --failed) [ -e {tmp_path}/reset ] || printf '%s loaded failed failed\\n' a.service b.service ;;
@@ -215,7 +205,7 @@ def test_only_failed_steps_count_against_the_requeue_limit(tmp_path):
     job_dir.mkdir()
     script = job_dir / "job.sbatch"
     script.write_text(slurm.render_batch_script(_job(job_dir=str(job_dir), max_requeues=1)))
-    env = _fake_commands(tmp_path, srun=f"exit $(cat {tmp_path}/step_rc)", scancel="true",
+    env = stand_in_commands(tmp_path, srun=f"exit $(cat {tmp_path}/step_rc)", scancel="true",
                          scontrol='case "$2" in hostnames) echo node0;; *) echo "NodeAddr=10.0.0.1 x";; esac')
 
     def run(restart_count: int, step_rc: int) -> tuple[int, str]:
@@ -241,7 +231,7 @@ def test_an_allocation_with_a_node_drained_by_its_prolog_starts_nothing(tmp_path
     job_dir.mkdir()
     script = job_dir / "job.sbatch"
     script.write_text(slurm.render_batch_script(_job(job_dir=str(job_dir))))
-    env = _fake_commands(tmp_path, srun=f"touch {tmp_path}/srun-ran", scancel="true",
+    env = stand_in_commands(tmp_path, srun=f"touch {tmp_path}/srun-ran", scancel="true",
                          scontrol='case "$2" in hostnames) echo node0;; *) echo "NodeAddr=10.0.0.1 x";; esac',
                          sinfo=f'echo "$*" > {tmp_path}/sinfo.args; echo node1')
     allocation = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2"}

@@ -18,6 +18,7 @@ from fsdpctl import slurm
 from fsdpctl.errors import UsageError
 from fsdpctl.targets.local import rootfs
 from tests.ansible.conftest import ROLES_DIR, detect_hardware, node_variables, render_template, sysfs_tree
+from tests.stand_ins import stand_in_commands
 
 DEFAULTS = yaml.safe_load((ROLES_DIR / "slurm/defaults/main.yml").read_text())
 
@@ -158,16 +159,6 @@ def test_a_command_or_a_config_alone_is_a_good_request():
     slurm.validate_request(config="tiny", command=None, **base)
 
 
-def _stand_ins(tmp_path: Path, **scripts: str) -> dict[str, str]:
-    """An environment whose PATH finds these stand-in commands (bash bodies) first."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, body in scripts.items():
-        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
-        (bin_dir / name).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-
-
 def test_a_command_job_runs_the_users_command_on_each_node_with_the_job_environment(tmp_path):
     """The node part of a `--command` job, run here as srun runs it on node 1 of 2: the user's command
     sees the rendezvous, the job's directories, the deployed venv first on PATH, the node's address as
@@ -185,7 +176,7 @@ def test_a_command_job_runs_the_users_command_on_each_node_with_the_job_environm
     Path(job.job_dir).mkdir()
     script = Path(job.script_path)
     script.write_text(slurm.render_batch_script(job))
-    env = _stand_ins(tmp_path, scontrol='echo "NodeName=$3 NodeAddr=10.0.0.12 State=ALLOCATED"')
+    env = stand_in_commands(tmp_path, scontrol='echo "NodeName=$3 NodeAddr=10.0.0.12 State=ALLOCATED"')
     job_id = f"unit{os.getpid()}"
     try:
         slurm_env = {"SLURMD_NODENAME": "node1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
