@@ -29,7 +29,7 @@ def jobs(cluster: str | None = None) -> list[JobRow]:
 
 def cmd_jobs(args: Namespace) -> int:
     state = resolve(args.cluster)
-    rows = jobs(state.name)
+    rows = slurm.list_jobs(state)
     if args.json:
         print_json([dataclasses.asdict(row) for row in rows])
         return 0

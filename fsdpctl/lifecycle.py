@@ -320,7 +320,10 @@ def status(cluster: str | None = None) -> ClusterStatus:
     """The cluster's record, with its live health and each node's Slurm state where they can be asked
     (else what the state file knows, and why it was not refreshed)."""
     state = state_mod.resolve(cluster)
-    record = state.read()
+    return _status(state, state.read())
+
+
+def _status(state: ClusterState, record: ClusterRecord) -> ClusterStatus:
     problems, not_refreshed = _live_health(state, record)
     slurm_nodes, slurm_not_asked = _slurm_nodes(state, record, problems)
     excluded = record.excluded_ranks()
@@ -341,11 +344,11 @@ def status(cluster: str | None = None) -> ClusterStatus:
 
 def cmd_status(args: Namespace) -> int:
     state = state_mod.resolve(args.cluster)
-    summary = status(state.name)
+    record = state.read()
+    summary = _status(state, record)
     if args.json:
         print_json(summary.model_dump(mode="json"))
         return 0
-    record = state.read()
     say(f"cluster {state.name}: target {record.target}, {len(record.nodes)} node(s), created "
         f"{summary.age} ago, state {state.root}")
     if record.expires_at:
