@@ -33,6 +33,7 @@ from infra.spec.model import (
     LocalTarget,
     Network,
     PlacementGroup,
+    Scaling,
     Software,
     Storage,
     Trainer,
@@ -44,6 +45,6 @@ __all__ = [
     "BASTION_SSM_PARAMETERS", "CLUSTER_TAG", "DEFAULT_DLAMI_PARAMETER", "EXPIRES_TAG", "FINAL_BACKUP_TAG",
     "FSX_PERSISTENT_THROUGHPUTS", "MAX_YAML_VALUES", "PULUMI_CONFIG_KEY", "RANK_TAG", "TAG_PREFIX", "Access",
     "Capacity", "CapacityType", "CheckpointBucket", "ClusterSpec", "Fsx", "FsxAtExpiry", "Image",
-    "LocalTarget", "Network", "PlacementGroup", "Problem", "Software", "SpecError", "Storage", "Trainer",
-    "cross_field_problems", "load_spec", "parse_spec", "parse_yaml", "yaml_error_text",
+    "LocalTarget", "Network", "PlacementGroup", "Problem", "Scaling", "Software", "SpecError", "Storage",
+    "Trainer", "cross_field_problems", "load_spec", "parse_spec", "parse_yaml", "yaml_error_text",
 ]

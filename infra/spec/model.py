@@ -62,6 +62,17 @@ class Capacity(_Model):
     def uses_reservation(self) -> bool:
         return self.type in (CapacityType.CAPACITY_RESERVATION, CapacityType.CAPACITY_BLOCK)
 
+    @property
+    def why_never_stopped(self) -> str | None:
+        """Why power saving (`scaling`) stops none of these nodes, or None when it may: stopping a
+        node in a reservation or Capacity Block saves nothing, and EC2 cannot stop the one-time spot
+        instances the launch template asks for (infra/components/compute.py)."""
+        if self.type is CapacityType.SPOT:
+            return "spot nodes are one-time spot instances, which EC2 cannot stop"
+        if self.uses_reservation:
+            return f"{self.type.value} nodes bill whether running or stopped"
+        return None
+
 
 class PlacementGroup(_Model):
     """A cluster placement group keeps all nodes on one network spine (lowest EFA latency).
@@ -312,6 +323,42 @@ class LocalTarget(_Model):
         return v
 
 
+class Scaling(_Model):
+    """Slurm power saving: the nodes from rank `min_nodes` up are stopped when idle and started
+    when a job needs them (docs/aws.md, "Elastic clusters")."""
+
+    min_nodes: int | None = None
+    """The nodes that are always on: ranks 0 to min_nodes-1 (rank 0 runs the Slurm controller); the
+    others are stopped after `suspend_after_s` idle and started when a job needs them. 1 to
+    node_count; `null`: node_count (a fixed cluster). Ignored, with a warning, for `spot` capacity
+    (EC2 cannot stop one-time spot instances) and for `capacity-reservation` and `capacity-block`
+    (they bill whether running or stopped). On-demand nodes in the all-or-nothing reservation
+    (`capacity.all_or_nothing`) bill while stopped too; the plan warns."""
+    max_nodes: int | None = None
+    """The most nodes running at once; `null`: node_count. Every node is created by `up` and
+    configured; nodes from rank min_nodes up are stopped when idle and started when a job needs them,
+    so max_nodes must equal node_count when given."""
+    suspend_after_s: int = 600
+    """Seconds a node stays idle before it is stopped (Slurm's SuspendTime). 60 to 86400: a stopped
+    node takes minutes to start again, so a shorter wait would stop nodes between two jobs."""
+
+    @field_validator("min_nodes")
+    @classmethod
+    def _min_nodes(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError("rank 0 runs the Slurm controller and is always on; use 1 or more, or leave "
+                             "it out for a fixed cluster")
+        return v
+
+    @field_validator("suspend_after_s")
+    @classmethod
+    def _suspend_after(cls, v: int) -> int:
+        if not 60 <= v <= 86400:
+            raise ValueError("is outside 60 to 86400 seconds (a day): a stopped node takes minutes to "
+                             "start again, so a shorter wait would stop nodes between two jobs; use e.g. 600")
+        return v
+
+
 class ClusterSpec(_Model):
     name: str
     """Cluster name. It becomes part of host names (`<name>-node<rank>`), the bucket name, the
@@ -353,6 +400,7 @@ class ClusterSpec(_Model):
     """Extra tags put on every taggable resource, next to `fsdp-cluster:cluster` and
     `fsdp-cluster:expires-at`. At most 40; keys starting with `aws:` or `fsdp-cluster:` are
     reserved."""
+    scaling: Scaling = Scaling()
     software: Software = Software()
     trainer: Trainer = Trainer()
     local: LocalTarget = LocalTarget()
@@ -445,6 +493,19 @@ class ClusterSpec(_Model):
             return not self.capacity.uses_reservation
         return self.placement_group.enabled
 
+    @property
+    def static_node_count(self) -> int:
+        """Ranks below it are never powered down: scaling.min_nodes, or node_count for a fixed
+        cluster and for capacity that power saving cannot stop (Capacity.why_never_stopped)."""
+        if self.scaling.min_nodes is None or self.capacity.why_never_stopped is not None:
+            return self.node_count
+        return self.scaling.min_nodes
+
+    @property
+    def power_saving(self) -> bool:
+        """Whether some nodes are stopped when idle (ranks static_node_count and up)."""
+        return self.static_node_count < self.node_count
+
     def node_name(self, rank: int) -> str:
         return f"{self.name}-node{rank}"
 
@@ -489,6 +550,7 @@ class ClusterSpec(_Model):
             out.append("expiry_hours is null: nothing stops a forgotten cluster from billing.")
         elif self.storage.fsx.enabled:
             out.append(self.storage.fsx.expiry_warning(self.name))
+        out += self._scaling_warnings()
         table = catalog.offerings()
         if not table.offered(self.instance_type, self.region):
             out.append(
@@ -498,3 +560,18 @@ class ClusterSpec(_Model):
                 "AWS added it since: pick one of those regions, or check with `fsdpctl preflight`.")
         return out
 
+    def _scaling_warnings(self) -> list[str]:
+        min_nodes, why_not = self.scaling.min_nodes, self.capacity.why_never_stopped
+        if min_nodes is not None and min_nodes < self.node_count and why_not is not None:
+            return [f"scaling.min_nodes: {min_nodes} ignored: {why_not}, so none is powered down."]
+        if not self.power_saving:
+            return []
+        out = [f"scaling: nodes from rank {self.static_node_count} come back from a stop with "
+               f"{self.storage.scratch_mount} empty (EC2 wipes instance-store NVMe on stop); keep what "
+               "must last in the checkpoint bucket or on FSx."]
+        if self.capacity.reserves_on_demand:
+            out.append("scaling: the all-or-nothing capacity reservation (capacity.all_or_nothing) bills "
+                       f"for all {self.node_count} nodes whether they run or are stopped, so stopping "
+                       "them saves nothing; set capacity.all_or_nothing: false to save (a stopped node "
+                       "may then meet InsufficientInstanceCapacity when it starts).")
+        return out

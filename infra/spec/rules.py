@@ -95,6 +95,33 @@ def cross_field_problems(data: Mapping[str, Any]) -> list[Problem]:
     fsx = sub("storage").get("fsx")
     if isinstance(fsx, Mapping) and fsx.get("enabled"):
         problems.extend(_fsx_problems(fsx))
+    problems.extend(_scaling_problems(sub("scaling"), data.get("node_count")))
+    return problems
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _scaling_problems(scaling: Mapping[str, Any], node_count: Any) -> list[Problem]:
+    """scaling against node_count (a bad node_count is reported by its own validator)."""
+    if not _whole(node_count) or node_count < 1:
+        return []
+    problems = []
+    min_nodes, max_nodes = scaling.get("min_nodes"), scaling.get("max_nodes")
+    if _whole(min_nodes) and min_nodes > node_count:
+        problems.append(Problem(
+            "scaling.min_nodes", min_nodes, f"is more than node_count {node_count}",
+            f"use 1 to {node_count}, or leave it out to keep every node on"))
+    if _whole(max_nodes) and max_nodes != node_count:
+        # Power saving stops and starts the nodes `up` made; it never launches or terminates one.
+        larger = f"; for up to {max_nodes} nodes set node_count: {max_nodes}" \
+            if max_nodes > node_count else ""
+        problems.append(Problem(
+            "scaling.max_nodes", max_nodes,
+            f"differs from node_count {node_count}: `up` creates every node and idle ones are stopped, "
+            "not terminated, so node_count nodes is the most that run",
+            f"set it to {node_count} or leave it out{larger}"))
     return problems
 
 
