@@ -106,6 +106,7 @@ def build_cluster(spec: ClusterSpec, expires_at: str | None, *,
         node_security_group_id=security.node_security_group_id,
         bastion_security_group_id=security.bastion_security_group_id,
         instance_profile_arn=identity.instance_profile_arn, key_name=identity.key_name,
+        controller_instance_profile=identity.controller_instance_profile_name,
         expiry=expiry, retemplate=retemplate, opts=opts)
 
     nodes = pulumi.Output.all(*[pulumi.Output.all(n.id, n.private_ip) for n in compute.nodes]).apply(

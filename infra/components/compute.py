@@ -4,7 +4,9 @@ One launch template per instance type carries everything a node is launched with
 (one EFA per network card), IMDSv2, the encrypted gp3 root volume, the instance profile, the
 placement group and how the capacity is bought (spot, reservation, Capacity Block). Each node is an
 `aws.ec2.Instance` from that template whose logical name is `spec.node_name(rank)`, so a node keeps
-its rank (and `fsdpctl replace RANK` can target exactly one URN).
+its rank (and `fsdpctl replace RANK` can target exactly one URN). When the cluster powers idle nodes
+down (spec `scaling`), rank 0, the Slurm controller that starts and stops them, runs with its own
+instance profile instead of the template's (infra/components/identity.py).
 
 Each billed instance and the reservation get their expiry schedule (infra/components/expiry.py) as
 soon as they exist, and GPU capacity is bought last: the bastion and its schedule first, then the
@@ -28,6 +30,8 @@ IMDS_HOP_LIMIT = 1
 BASTION_ROOT_GIB = 10
 # The node property that pins its launch template version (ignored after creation; see Compute).
 NODE_TEMPLATE_PROPERTY = "launchTemplate"
+# The rank that runs the Slurm controller, and with power saving the programs that start and stop nodes.
+CONTROLLER_RANK = 0
 EFA_INTERFACE_TYPES = ("efa", "efa-only")
 
 
@@ -79,6 +83,7 @@ class Compute(pulumi.ComponentResource):
                  public_subnet_id: pulumi.Input[str] | None, node_security_group_id: pulumi.Input[str],
                  bastion_security_group_id: pulumi.Input[str] | None,
                  instance_profile_arn: pulumi.Input[str], key_name: pulumi.Input[str] | None,
+                 controller_instance_profile: pulumi.Input[str] | None = None,
                  expiry: Expiry | None = None, retemplate: frozenset[int] = frozenset(),
                  opts: pulumi.ResourceOptions | None = None):
         super().__init__(f"{COMPONENT_PREFIX}:Compute", ctx.resource_name("compute"), None, opts)
@@ -110,9 +115,13 @@ class Compute(pulumi.ComponentResource):
         after_expiries = self._after_expiries()
         self.nodes = []
         for rank in range(spec.node_count):
+            # The instance's own profile (by name) wins over the template's; changing it later is an
+            # in-place association change, not a new instance.
+            own_profile = controller_instance_profile if rank == CONTROLLER_RANK else None
             node = aws.ec2.Instance(
                 spec.node_name(rank),
                 launch_template={"id": template.id, "version": version},
+                iam_instance_profile=own_profile,
                 tags={**ctx.tags, RANK_TAG: str(rank), "Name": spec.node_name(rank)},
                 opts=child_options(self, ignore_changes=[] if rank in retemplate
                                    else [NODE_TEMPLATE_PROPERTY], depends_on=after_expiries))

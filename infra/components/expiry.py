@@ -47,8 +47,8 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.components.context import COMPONENT_PREFIX, ClusterContext, child_options
-from infra.components.identity import assume_role_policy
-from infra.spec import CLUSTER_TAG, FINAL_BACKUP_TAG, FsxAtExpiry
+from infra.components.identity import assume_role_policy, tagged_statement
+from infra.spec import FINAL_BACKUP_TAG, FsxAtExpiry
 
 # The Elastic IP is released this long after the NAT gateway's deletion started.
 EIP_RELEASE_DELAY = timedelta(hours=1)
@@ -76,36 +76,27 @@ def at_expression(expires_at: str, delay: timedelta = timedelta(0)) -> str:
     return f"at({(parse_utc(expires_at) + delay).strftime('%Y-%m-%dT%H:%M:%S')})"
 
 
-def _statement(ctx: ClusterContext, sid: str, actions: list[str], service: str, resource: str) -> dict:
-    return {
-        "Sid": sid,
-        "Effect": "Allow",
-        "Action": actions if len(actions) > 1 else actions[0],
-        "Resource": f"arn:{ctx.partition}:{service}:{ctx.spec.region}:*:{resource}",
-        "Condition": {"StringEquals": {f"aws:ResourceTag/{CLUSTER_TAG}": ctx.spec.name}},
-    }
-
-
 def expiry_policy(ctx: ClusterContext, queue_arn: str) -> str:
     """Only the calls the spec's schedules make, only on resources tagged with this cluster, and
     the dead letters of the ones that fail (Scheduler sends them with the schedule's role)."""
     spec = ctx.spec
-    statements = [_statement(ctx, "TerminateThisClustersInstances", ["ec2:TerminateInstances"], "ec2",
-                             "instance/*")]
+    statements = [tagged_statement(ctx, "TerminateThisClustersInstances", ["ec2:TerminateInstances"],
+                                   "ec2", "instance/*")]
     if spec.network.creates_vpc:
-        statements.append(_statement(ctx, "DeleteThisClustersNatGateway", ["ec2:DeleteNatGateway"], "ec2",
-                                     "natgateway/*"))
-        statements.append(_statement(ctx, "ReleaseThisClustersNatAddress", ["ec2:ReleaseAddress"], "ec2",
-                                     "elastic-ip/*"))
+        statements.append(tagged_statement(ctx, "DeleteThisClustersNatGateway", ["ec2:DeleteNatGateway"],
+                                           "ec2", "natgateway/*"))
+        statements.append(tagged_statement(ctx, "ReleaseThisClustersNatAddress", ["ec2:ReleaseAddress"],
+                                           "ec2", "elastic-ip/*"))
     if spec.capacity.reserves_on_demand:
-        statements.append(_statement(ctx, "CancelThisClustersReservation", ["ec2:CancelCapacityReservation"],
-                                     "ec2", "capacity-reservation/*"))
+        statements.append(tagged_statement(ctx, "CancelThisClustersReservation",
+                                           ["ec2:CancelCapacityReservation"], "ec2",
+                                           "capacity-reservation/*"))
     fsx = spec.storage.fsx
     if fsx.enabled and fsx.at_expiry is not FsxAtExpiry.KEEP:
         backup = fsx.at_expiry is FsxAtExpiry.BACKUP
         actions = ["fsx:DeleteFileSystem", "fsx:DeleteDataRepositoryAssociation"]
-        statements.append(_statement(ctx, "DeleteThisClustersFileSystem",
-                                     [*actions, "fsx:CreateBackup"] if backup else actions, "fsx", "*"))
+        statements.append(tagged_statement(ctx, "DeleteThisClustersFileSystem",
+                                           [*actions, "fsx:CreateBackup"] if backup else actions, "fsx", "*"))
         if backup:
             # The final backup does not exist yet, so it has no tag a condition could check.
             statements.append({"Sid": "CreateTheFinalBackup", "Effect": "Allow",
