@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fsdpctl.console import Out, error, say
 from fsdpctl.errors import CommandError, UsageError
-from fsdpctl.plan.cost import CostEstimate, CostLine, PriceTable, estimate_cost, load_prices
+from fsdpctl.plan.cost import CostEstimate, CostLine, ElasticCost, PriceTable, estimate_cost, load_prices
 from fsdpctl.plan.fit import MemoryFit, memory_fit, misfit, render_fit
 from fsdpctl.plan.render import describe, render_json, render_summary, render_text
 from fsdpctl.plan.tokens import (
@@ -35,6 +35,7 @@ __all__ = [
     "ClusterPlan",
     "CostEstimate",
     "CostLine",
+    "ElasticCost",
     "PriceTable",
     "cmd_plan",
     "describe",

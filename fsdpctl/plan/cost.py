@@ -127,6 +127,28 @@ class CostLine:
         return None if bound is None else self.quantity * bound
 
 
+@dataclass(frozen=True)
+class ElasticCost:
+    """A cluster that stops idle nodes (spec `scaling`): its cost per hour with only the always-on
+    nodes running and with every node running."""
+
+    min_nodes: int
+    max_nodes: int
+    suspend_after_s: int
+    at_min_per_hour: float | None  # None: not every line has a price
+    at_max_per_hour: float | None
+    note: str = ""
+    """Why stopped nodes save less than their instance price, or ""."""
+
+    def to_dict(self) -> dict[str, Any]:
+        def rounded(value: float | None) -> float | None:
+            return None if value is None else round(value, 4)
+
+        return {"min_nodes": self.min_nodes, "max_nodes": self.max_nodes,
+                "suspend_after_s": self.suspend_after_s, "at_min_per_hour": rounded(self.at_min_per_hour),
+                "at_max_per_hour": rounded(self.at_max_per_hour), "note": self.note}
+
+
 @dataclass
 class CostEstimate:
     lines: list[CostLine]
@@ -135,6 +157,8 @@ class CostEstimate:
     currency: str
     overridden: bool = False
     """Prices came (partly) from a --prices file."""
+    elastic: ElasticCost | None = None
+    """The range a cluster that stops idle nodes costs in; None for a fixed cluster."""
 
     @property
     def known_per_hour(self) -> float:
@@ -202,6 +226,7 @@ class CostEstimate:
                 }
                 for c in self.lines
             ],
+            **({} if self.elastic is None else {"elastic": self.elastic.to_dict()}),
         }
 
 
@@ -300,10 +325,11 @@ def _node_line(template: Registration, count: int, market: str, rates: _Rates) -
     return CostLine(f"{itype} {market}", count, "instance-hour", rates.instance_hour.get(itype), note)
 
 
-def _instance_lines(mocks: RecordingMocks, rates: _Rates) -> tuple[list[CostLine], float]:
-    """The instances: one line per stand-alone instance (the bastion) and per launch template's nodes;
-    and the GiB of EBS volumes they boot from."""
+def _instance_lines(mocks: RecordingMocks, rates: _Rates) -> tuple[list[CostLine], list[CostLine], float]:
+    """The instances: one line per stand-alone instance (the bastion), one per launch template's
+    nodes; and the GiB of EBS volumes they boot from."""
     lines: list[CostLine] = []
+    node_lines: list[CostLine] = []
     ebs_gib = 0.0
     nodes_by_template: Counter[str] = Counter()
     for instance in mocks.of_type("aws:ec2/instance:Instance"):
@@ -320,8 +346,8 @@ def _instance_lines(mocks: RecordingMocks, rates: _Rates) -> tuple[list[CostLine
         template = mocks.by_id[template_id]
         for mapping in template.inputs.get("blockDeviceMappings") or []:
             ebs_gib += count * float((mapping.get("ebs") or {}).get("volumeSize") or 0)
-        lines.append(_node_line(template, count, _market_of(template, own_reservations), rates))
-    return lines, ebs_gib
+        node_lines.append(_node_line(template, count, _market_of(template, own_reservations), rates))
+    return lines, node_lines, ebs_gib
 
 
 def _network_lines(mocks: RecordingMocks, rates: _Rates) -> list[CostLine]:
@@ -363,10 +389,33 @@ def estimate_cost(plan: OfflinePlan, prices: PriceTable) -> CostEstimate:
     """Hourly cost of what the plan would create, read off the resource graph (not the spec), so
     the estimate prices exactly what `pulumi up` would build."""
     rates = _rates(plan.spec.region, prices)
-    instance_lines, ebs_gib = _instance_lines(plan.mocks, rates)
-    lines = [*instance_lines, *_network_lines(plan.mocks, rates), *_storage_lines(plan.mocks, ebs_gib, rates)]
-    return CostEstimate(lines=lines, as_of=prices.as_of, source=prices.source, currency=prices.currency,
+    instance_lines, node_lines, ebs_gib = _instance_lines(plan.mocks, rates)
+    lines = [*instance_lines, *node_lines, *_network_lines(plan.mocks, rates),
+             *_storage_lines(plan.mocks, ebs_gib, rates)]
+    cost = CostEstimate(lines=lines, as_of=prices.as_of, source=prices.source, currency=prices.currency,
                         overridden=prices.override_file is not None)
+    if plan.spec.power_saving:
+        cost.elastic = _elastic_cost(plan, node_lines, cost.per_hour)
+    return cost
+
+
+def _elastic_cost(plan: OfflinePlan, node_lines: list[CostLine], per_hour: float | None) -> ElasticCost:
+    """`per_hour` (every node running) less the instance-hours of the nodes power saving stops. A
+    stopped node's root volume keeps billing, and so does the program's all-or-nothing reservation,
+    whose capacity is held for every node whether it runs or not."""
+    spec = plan.spec
+    (nodes,) = node_lines  # one launch template: the spec has one instance type
+    stopped = spec.node_count - spec.static_node_count
+    note = ""
+    saved = None if nodes.unit_price is None else stopped * nodes.unit_price
+    if plan.mocks.of_type(RESERVATION_TYPE):
+        note = (f"the all-or-nothing capacity reservation bills for all {spec.node_count} nodes whether "
+                "they run or not")
+        saved = 0.0
+    at_min = None if per_hour is None or saved is None else per_hour - saved
+    return ElasticCost(min_nodes=spec.static_node_count, max_nodes=spec.node_count,
+                       suspend_after_s=spec.scaling.suspend_after_s, at_min_per_hour=at_min,
+                       at_max_per_hour=per_hour, note=note)
 
 
 # What bills by the hour (or by the GiB-month) while it exists.

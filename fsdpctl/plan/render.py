@@ -95,7 +95,9 @@ def describe(record: Registration) -> str:
     if record.type == "aws:ec2/instance:Instance":
         rank = record.tags.get(RANK_TAG)
         if rank is not None:
-            return f"rank {rank}, from the launch template"
+            profile = inputs.get("iamInstanceProfile")
+            own_profile = f", instance profile {profile}" if profile else ""
+            return f"rank {rank}, from the launch template{own_profile}"
         tokens = (inputs.get("metadataOptions") or {}).get("httpTokens")
         return f"{inputs.get('instanceType')} with a public IP, IMDSv2 {tokens}"
     if record.type == "aws:s3/bucketLifecycleConfiguration:BucketLifecycleConfiguration":
@@ -167,7 +169,22 @@ def _cost_lines(cost: CostEstimate) -> list[str]:
         if line.note:
             out += _wrapped(f"      ({line.note})", 7)
     out += _wrapped(f"  {_total(cost)}", 4)
+    out += _elastic_lines(cost)
     return out
+
+
+def _elastic_lines(cost: CostEstimate) -> list[str]:
+    """The range a cluster that stops idle nodes costs in: "1-4 nodes: 22.11-87.99 USD/h (...)"."""
+    elastic = cost.elastic
+    if elastic is None:
+        return []
+    low, high = elastic.at_min_per_hour, elastic.at_max_per_hour
+    amount = ("unknown (a line above has no price)" if low is None or high is None
+              else f"{low:,.2f}-{high:,.2f} {cost.currency}/h")
+    why = f"nodes from rank {elastic.min_nodes} stop after {elastic.suspend_after_s} s idle"
+    if elastic.note:
+        why += f"; {elastic.note}"
+    return _wrapped(f"  {elastic.min_nodes}-{elastic.max_nodes} nodes: {amount} ({why})", 4)
 
 
 def render_text(plan: OfflinePlan, cost: CostEstimate, today: date | None = None) -> str:

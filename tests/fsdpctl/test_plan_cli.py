@@ -224,6 +224,8 @@ def test_missing_pulumi_packages_are_a_clear_error(capsys, monkeypatch):
      "capacity": {"type": "capacity-reservation", "reservation_id": "cr-0123456789abcdef0"},
      "tags": {"team": "foundation-models", "cost-center": "ml-research-0042"}},
     {"instance_type": "p5.48xlarge", "capacity": {"type": "spot"}, "network": {"mtu": 1500}},
+    # Elastic, with the all-or-nothing reservation: the range line carries its longest note.
+    {"scaling": {"min_nodes": 2, "suspend_after_s": 86400}},
 ])
 def test_plan_lines_fit_100_columns_and_quantities_read_as_amounts(overrides):
     plan = plan_of(**overrides)
