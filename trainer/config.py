@@ -71,7 +71,8 @@ class RopeScaling(_Section):
 
 class ModelConfig(_Section):
     """A decoder-only transformer (RMSNorm, rotary embeddings, SwiGLU): the project's own GPT shape or,
-    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral and gpt-oss."""
+    from a Hugging Face `config.json`, Llama 3/3.1/3.2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral and
+    gpt-oss."""
 
     hf_dir: str | None = None
     """A Hugging Face model directory (config.json, *.safetensors, tokenizer.json) or an s3:// prefix
@@ -84,8 +85,8 @@ class ModelConfig(_Section):
     """Where an s3:// model.hf_dir is downloaded, once per node (shared or NVMe storage); empty:
     $FSDP_MODEL_CACHE, else ~/.cache/fsdp-cluster/models."""
     family: str = "gpt"
-    """The config.json `model_type` (llama, mistral, qwen2, qwen3, qwen3_moe, gpt_oss); gpt: the project's
-    own model (exported as llama, which it is shaped like)."""
+    """The config.json `model_type` (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gpt_oss); gpt: the
+    project's own model (exported as llama, which it is shaped like)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Tokens in the vocabulary (embedding and output projection rows)."""
     dim: int = Field(default=2048, ge=8)
@@ -146,8 +147,9 @@ class ModelConfig(_Section):
     router_bias: bool = False
     """A bias on the router's logits (gpt-oss)."""
     expert_kind: Literal["swiglu", "gpt_oss"] = "swiglu"
-    """swiglu: each expert a SwiGLU triple of its own (Qwen3-MoE's per-expert weights). gpt_oss: the
-    experts stacked as gpt-oss stores them (gate_up_proj [experts, dim, 2 x moe_ffn_dim] with gate and
+    """swiglu: SwiGLU experts (Qwen3-MoE, Mixtral), stacked as transformers 5 holds them (gate_up_proj
+    [experts, 2 x moe_ffn_dim, dim], gate rows then up rows, down_proj [experts, dim, moe_ffn_dim]).
+    gpt_oss: stacked as gpt-oss stores them (gate_up_proj [experts, dim, 2 x moe_ffn_dim] with gate and
     up interleaved, down_proj, both with biases) with its clamped SwiGLU (swiglu_alpha, swiglu_limit)."""
     swiglu_alpha: float = Field(default=1.702, gt=0)
     """gpt_oss experts: the gate's activation is gate * sigmoid(swiglu_alpha * gate)."""
@@ -315,7 +317,7 @@ class ParallelConfig(_Section):
     each block's experts (n_experts / expert_parallel each), tokens travel to their experts' rank and
     back by all-to-all, and FSDP shards each rank's experts over the ranks holding the same ones; so
     no rank all-gathers more than n_experts / expert_parallel experts. 1: off. Divides the world size
-    and model.n_experts; stacked experts (gpt-oss) with FULL_SHARD or SHARD_GRAD_OP."""
+    and model.n_experts; FULL_SHARD or SHARD_GRAD_OP."""
 
     @model_validator(mode="after")
     def _precision(self) -> ParallelConfig:
@@ -501,7 +503,8 @@ class TrainConfig(_Section):
             problems.append(Problem("checkpoint.hf_export_dir", self.checkpoint.hf_export_dir,
                                     "asks for a Hugging Face export of the project's own model with experts "
                                     "(exports of it are Llama configs, which have none)",
-                                    "fine-tune a qwen3_moe model from model.hf_dir, or leave it empty"))
+                                    "fine-tune a qwen3_moe, mixtral or gpt_oss model from model.hf_dir, "
+                                    "or leave it empty"))
         lora, m = self.parallel.lora, self.model
         attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
         all_sparse = all(m.is_moe_layer(i) for i in range(m.n_layers))
@@ -530,9 +533,6 @@ class TrainConfig(_Section):
         if m.n_experts % ep:
             problems.append(Problem(key, ep, f"does not divide model.n_experts={m.n_experts}",
                                     "use a divisor of the expert count"))
-        if m.expert_kind != "gpt_oss":
-            problems.append(Problem(key, ep, f"needs stacked experts (model.expert_kind={m.expert_kind}: "
-                                    "one module per expert, not split yet)", "set it to 1"))
         if par.strategy not in (Strategy.FULL_SHARD, Strategy.SHARD_GRAD_OP):
             problems.append(Problem(key, ep, f"is not implemented with {par.strategy}",
                                     "use parallel.strategy FULL_SHARD or SHARD_GRAD_OP"))

@@ -2,7 +2,7 @@
 configurable block that covers the project's own GPT and the Hugging Face Llama, Qwen2, Qwen3 and
 Mistral families (optional q/k/v and output biases, q/k RMSNorm, explicit head size, tied embeddings,
 Llama 3.1 and YaRN rope scaling, sliding-window layers, attention sinks), and the mixtures of experts
-of Qwen3-MoE and gpt-oss, whose sparse blocks swap the feed-forward for trainer/moe.py. Parameter
+of Qwen3-MoE, Mixtral and gpt-oss, whose sparse blocks swap the feed-forward for trainer/moe.py. Parameter
 names are the project's; trainer/hf/adapter.py maps them to and from the Hugging Face names.
 
 Rotary embeddings rotate the two halves of each head (x[:d/2], x[d/2:]), the layout Hugging Face

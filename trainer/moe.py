@@ -1,26 +1,30 @@
-"""The mixture-of-experts feed-forward of Qwen3-MoE and gpt-oss, used by the blocks that
+"""The mixture-of-experts feed-forward of Qwen3-MoE, Mixtral and gpt-oss, used by the blocks that
 ModelConfig.is_moe_layer names; the other blocks keep the dense SwiGLU of trainer/model.py.
 
 Per token: router logits (a linear layer, with a bias for gpt-oss) -> softmax over all experts (fp32)
--> the top-k probabilities -> renormalised to sum to 1 when `norm_topk_prob` (gpt-oss's softmax over
-the chosen experts' logits is exactly that) -> the weighted sum of the k chosen experts' outputs.
+-> the top-k probabilities -> renormalised to sum to 1 when `norm_topk_prob` (Mixtral always; gpt-oss's
+softmax over the chosen experts' logits is exactly that) -> the weighted sum of the k chosen experts'
+outputs.
 
-Experts come in the layout each family's checkpoints use, so loading is a renaming, slice by slice
-(trainer/hf/adapter.py): Qwen3-MoE's one SwiGLU triple per expert (ExpertList), gpt-oss's stacked
-tensors with biases and its clamped SwiGLU (StackedExperts, the grouped-GEMM layout).
+Experts are stacked, [experts, ...] per parameter, for every family: Qwen3-MoE's and Mixtral's SwiGLU
+experts as transformers 5 and torchtitan hold them (SwiGLUExperts: gate_up_proj, down_proj, each
+expert's matrices as nn.Linear stores them; the checkpoints' per-expert tensors are rows of these,
+trainer/hf/adapter.py), gpt-oss's as its checkpoints store them, with biases and its clamped SwiGLU
+(GptOssExperts). One layout for all is what lets FSDP shard them by expert, expert parallelism split
+them and grouped GEMM run them, the same way for every family.
 
 Dispatch: the (token, slot) assignments are sorted by expert, so each expert's tokens are one
-contiguous run; the experts run on their runs (a loop, or for stacked experts on CUDA in bf16 two
-`torch._grouped_mm` calls), and the outputs are added back to their tokens weighted by the router.
-Every expert runs, even on zero tokens, so every expert's weights get a (zero) gradient on every rank
-and FSDP's reduce-scatter sees the same parameters everywhere.
+contiguous run; the experts run on their runs (a loop, or on CUDA in bf16 one `torch._grouped_mm` per
+projection), and the outputs are added back to their tokens weighted by the router. Every expert runs,
+even on zero tokens, so every expert's weights get a (zero) gradient on every rank and FSDP's
+reduce-scatter sees the same parameters everywhere.
 
-Expert parallelism (parallel.expert_parallel = P, stacked experts): each group of P consecutive ranks
-splits a block's experts, rank i of the group holding experts [i E/P, (i+1) E/P) (trainer/parallelize.py
-makes them DTensors sharded over the group, then FSDP shards them further over the ranks holding the
-same experts, so no rank ever gathers more than E/P of them). A forward sends each routed token to
-the rank of its expert and the results back, two all-to-alls in the group (their gradients are
-all-to-alls too); the run lengths travel first, in one small all-to-all.
+Expert parallelism (parallel.expert_parallel = P): each group of P consecutive ranks splits a block's
+experts, rank i of the group holding experts [i E/P, (i+1) E/P) (trainer/parallelize.py makes them
+DTensors sharded over the group, then FSDP shards them further over the ranks holding the same experts,
+so no rank ever gathers more than E/P of them). A forward sends each routed token to the rank of its
+expert and the results back, two all-to-alls in the group (their gradients are all-to-alls too); the
+run lengths travel first, in one small all-to-all.
 
 Load balancing: each forward records, per MoE block, how many assignments each expert got and the
 sum of the router probabilities; `router_aux_loss` combines them over the blocks exactly as
@@ -41,26 +45,34 @@ from torch.distributed.tensor import DTensor
 from trainer.config import ModelConfig
 
 
-class Expert(nn.Module):
-    """One SwiGLU expert: w2(silu(w1 x) * w3 x)."""
+class ExpertRuns:
+    """Rows sorted by expert (counts[e] rows for expert e, every expert of a stacked parameter in order)
+    and the per-expert products over them: one matmul per expert (any device and dtype; the backward
+    torch has on CPU), or with `grouped` one torch._grouped_mm for all experts (CUDA bf16 for training;
+    CPU has the forward only), the run lengths staying on the device (no host sync)."""
 
-    def __init__(self, dim: int, ffn_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)
+    def __init__(self, counts: torch.Tensor, grouped: bool):
+        self.counts = counts
+        # The loop splits the rows on the host (one sync per block, shared by its matmuls); grouped
+        # GEMM reads the run lengths on the device.
+        self.sizes = None if grouped else counts.tolist()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class ExpertList(nn.ModuleList):
-    """Qwen3-MoE's experts, a SwiGLU triple each (`experts.{e}.w1`...), as its checkpoints store them."""
-
-    def forward(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert on its run of `routed` (rows sorted by expert, counts[e] rows for expert e)."""
-        chunks = routed.split(counts.tolist())
-        return torch.cat([expert(chunk) for expert, chunk in zip(self, chunks, strict=True)])
+    def matmul(self, rows: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """rows @ weight[e] (+ bias[e]) for each expert e's rows; weight [experts, in, out], bias
+        [experts, out]."""
+        if self.sizes is not None:
+            outputs = []
+            for e, chunk in enumerate(rows.split(self.sizes)):
+                product = chunk @ weight[e]
+                outputs.append(product if bias is None else product + bias[e])
+            return torch.cat(outputs)
+        out = torch._grouped_mm(rows, weight, offs=torch.cumsum(self.counts, 0).to(torch.int32))
+        if bias is None:
+            return out
+        expert_of_row = torch.repeat_interleave(torch.arange(self.counts.shape[0], device=rows.device),
+                                                self.counts, output_size=rows.shape[0])
+        return out + bias[expert_of_row]
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -83,57 +95,76 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 class StackedExperts(nn.Module):
-    """gpt-oss's experts, stacked as its checkpoints store them: gate_up_proj [experts, dim, 2 x ffn]
-    (x @ W, gate and up columns interleaved), down_proj [experts, ffn, dim], each with a bias. The
-    stacked layout is the one grouped GEMM takes, and FSDP shards it by expert."""
+    """A block's experts as stacked parameters, [experts, ...] each: the layout grouped GEMM takes, that
+    FSDP shards by expert and expert parallelism splits (trainer/parallelize.py). Subclasses hold the
+    parameters and say what one expert computes (`compute`); this class picks the path: on CUDA in bf16
+    `grouped`, elsewhere `looped` (bench/gpu_check/moe_paths.py counts the calls of each)."""
 
-    def __init__(self, dim: int, ffn_dim: int, n_experts: int, alpha: float, limit: float):
+    def __init__(self):
         super().__init__()
-        self.alpha, self.limit = alpha, limit
         # Expert parallelism (trainer/parallelize.py): FSDP averages these gradients over the world / P
         # ranks that hold the same experts; every other gradient is averaged over the world, so these
         # are scaled by 1 / P on their way (FSDP's own divide factor needs PREMUL_SUM, which gloo lacks).
         self.gradient_scale = 1.0
+
+    def forward(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert on its run of `routed` (rows sorted by expert, counts[e] rows for expert e)."""
+        if routed.is_cuda and routed.dtype == torch.bfloat16:
+            return self.grouped(routed, counts)
+        return self.looped(routed, counts)
+
+    def looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.compute(routed, ExpertRuns(counts, grouped=False))
+
+    def grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.compute(routed, ExpertRuns(counts, grouped=True))
+
+    def compute(self, routed: torch.Tensor, runs: ExpertRuns) -> torch.Tensor:
+        raise NotImplementedError
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """A parameter as this rank computes with it: its own experts (with expert parallelism FSDP
+        hands the block DTensors of them), the gradient scaled."""
+        tensor = param.to_local() if isinstance(param, DTensor) else param
+        if self.gradient_scale != 1.0:
+            tensor = _ScaleGradient.apply(tensor, self.gradient_scale)
+        return tensor
+
+
+class SwiGLUExperts(StackedExperts):
+    """Qwen3-MoE's and Mixtral's experts, each a SwiGLU down(silu(gate x) * up x), stacked as transformers
+    5 and torchtitan hold them: gate_up_proj [experts, 2 x ffn, dim] (expert e's gate rows, then its up
+    rows: the checkpoints' per-expert gate_proj/w1 and up_proj/w3 weights) and down_proj [experts, dim,
+    ffn] (down_proj/w2), each expert's matrix as torch.nn.Linear stores it (x @ W^T)."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+
+    def compute(self, routed: torch.Tensor, runs: ExpertRuns) -> torch.Tensor:
+        gate_up_proj, down_proj = self.local(self.gate_up_proj), self.local(self.down_proj)
+        gate, up = runs.matmul(routed, gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        return runs.matmul(F.silu(gate) * up, down_proj.transpose(1, 2))
+
+
+class GptOssExperts(StackedExperts):
+    """gpt-oss's experts, stacked as its checkpoints store them: gate_up_proj [experts, dim, 2 x ffn]
+    (x @ W, gate and up columns interleaved), down_proj [experts, ffn, dim], each with a bias; the
+    activation its clamped SwiGLU."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * ffn_dim))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * ffn_dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.down_proj_bias = nn.Parameter(torch.empty(n_experts, dim))
 
-    def forward(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if routed.is_cuda and routed.dtype == torch.bfloat16:
-            return self.grouped(routed, counts)
-        return self.looped(routed, counts)
-
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """gate_up_proj, its bias, down_proj, its bias as this rank computes with them: its own experts
-        (with expert parallelism FSDP hands the block DTensors of them), gradients scaled."""
-        local = []
-        for param in (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias):
-            tensor = param.to_local() if isinstance(param, DTensor) else param
-            if self.gradient_scale != 1.0:
-                tensor = _ScaleGradient.apply(tensor, self.gradient_scale)
-            local.append(tensor)
-        return local[0], local[1], local[2], local[3]
-
-    def looped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """One matmul pair per expert (any device and dtype; the backward torch has on CPU)."""
-        gate_up_proj, gate_up_bias, down_proj, down_bias = self.weights()
-        outputs = []
-        for e, chunk in enumerate(routed.split(counts.tolist())):
-            hidden = clamped_swiglu(chunk @ gate_up_proj[e] + gate_up_bias[e], self.alpha, self.limit)
-            outputs.append(hidden @ down_proj[e] + down_bias[e])
-        return torch.cat(outputs)
-
-    def grouped(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """All experts in two grouped GEMMs (torch._grouped_mm: CUDA bf16 for training; CPU has the
-        forward only), the run lengths staying on the device (no host sync)."""
-        ends = torch.cumsum(counts, 0).to(torch.int32)
-        expert_of_row = torch.repeat_interleave(torch.arange(counts.shape[0], device=routed.device), counts,
-                                                output_size=routed.shape[0])
-        gate_up_proj, gate_up_bias, down_proj, down_bias = self.weights()
-        gate_up = torch._grouped_mm(routed, gate_up_proj, offs=ends) + gate_up_bias[expert_of_row]
+    def compute(self, routed: torch.Tensor, runs: ExpertRuns) -> torch.Tensor:
+        gate_up = runs.matmul(routed, self.local(self.gate_up_proj), self.local(self.gate_up_proj_bias))
         hidden = clamped_swiglu(gate_up, self.alpha, self.limit)
-        return torch._grouped_mm(hidden, down_proj, offs=ends) + down_bias[expert_of_row]
+        return runs.matmul(hidden, self.local(self.down_proj), self.local(self.down_proj_bias))
 
 
 @dataclass
@@ -193,11 +224,12 @@ class MoEFeedForward(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.n_active_experts
         self.norm_topk_prob = cfg.norm_topk_prob
         self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=cfg.router_bias)
+        self.experts: StackedExperts
         if cfg.expert_kind == "gpt_oss":
-            self.experts = StackedExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts, cfg.swiglu_alpha,
-                                          cfg.swiglu_limit)
+            self.experts = GptOssExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts, cfg.swiglu_alpha,
+                                         cfg.swiglu_limit)
         else:
-            self.experts = ExpertList(Expert(cfg.dim, cfg.expert_ffn_dim) for _ in range(cfg.n_experts))
+            self.experts = SwiGLUExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts)
         self.stats: RouterStats | None = None
         # Set by trainer/parallelize.py when parallel.expert_parallel > 1.
         self.expert_parallel: ExpertParallel | None = None

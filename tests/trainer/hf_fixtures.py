@@ -8,7 +8,8 @@ reference losses with transformers' own modelling code in fp32 with eager attent
 CPU), for the trainer's numbers to be compared against.
 
 Everything is seeded and small: a model has 2 layers (qwen3-moe: one dense, one of 8 experts, top-2;
-gpt-oss: a sliding-window block and a full one, 4 stacked experts, top-2, YaRN, sinks), hidden 64, a
+mixtral: both of 4 experts, top-2, a 16-token window; gpt-oss: a sliding-window block and a full one,
+4 stacked experts, top-2, YaRN, sinks), hidden 64, a
 ~400-token byte-level BPE vocabulary, and builds, saves and evaluates in well under 2 s on CPU.
 Biases and norm weights are random rather than 0/1, so a loader that skips them changes the loss and
 is caught. Shards are kept small (max_shard_size="60KB") so every checkpoint has several
@@ -27,8 +28,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "llama-tied", "qwen2", "qwen3", "mistral", "qwen3-moe")
-# Built by make_model too, tested on its own (tests/trainer/test_gpt_oss.py).
+# Built by make_model too, tested on their own (tests/trainer/test_gpt_oss.py, tests/trainer/test_moe.py).
 GPT_OSS = "gpt-oss"
+MIXTRAL = "mixtral"
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -160,6 +162,7 @@ def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int,
         GptOssConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Qwen2Config,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -210,6 +213,13 @@ def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int,
         # A window shorter than the tests' sequences, so that every block's sliding window matters.
         return MistralConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                              tie_word_embeddings=False, sliding_window=16)
+    if family == MIXTRAL:
+        # Every block sparse: 4 experts of 32, top-2 (always renormalised), every block's window 16
+        # tokens as Mistral's.
+        return MixtralConfig(**{**common, "intermediate_size": 32},
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                             tie_word_embeddings=False, sliding_window=16, num_local_experts=4,
+                             num_experts_per_tok=2, router_aux_loss_coef=0.01, output_router_logits=False)
     if family == GPT_OSS:
         # Everything gpt-oss adds, active at the tests' 64-token sequences: block 0 slides over 8
         # tokens, block 1 is full; YaRN x4 stretches wavelengths beyond 16 positions (not truncated, as

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from trainer.config import load_config
 from trainer.distributed import exit_process, init_distributed, launch_sizes
 from trainer.evaluate import evaluation_source
-from trainer.hf.adapter import to_hf
+from trainer.hf.adapter import checkpoint_tensors
 from trainer.hf.weights import load_weights
 from trainer.loss import token_nll_sum
 from trainer.model import build_model
@@ -81,8 +81,12 @@ def grads(model_dir: str, docs_path: str, out: str, *overrides: str) -> None:
     part = source.samples(rows)
     logits = model(part.inputs, part.positions, part.document_ids)
     (token_nll_sum(logits, part.targets) * dist.get_world_size() / counted).backward()
-    ours = {to_hf(name, cfg.model.family): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-            for name, p in model.named_parameters()}
+    # By checkpoint key: the stacked experts of Qwen3-MoE and Mixtral split into each expert's projections.
+    ours = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for part in checkpoint_tensors(name, cfg.model.family, cfg.model.n_experts):
+            ours[part.name] = part.view(grad)
     if dist.get_rank() == 0:
         reference = load_reference(Path(model_dir))
         tok = load_tokenizer(Path(model_dir))

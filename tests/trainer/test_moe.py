@@ -1,31 +1,39 @@
-"""Qwen3-MoE (trainer/moe.py): the mixture-of-experts block against transformers' own Qwen3Moe code.
+"""Qwen3-MoE and Mixtral (trainer/moe.py): the mixture-of-experts block against transformers' own code.
 
-The tiny fixture (tests/trainer/hf_fixtures.py, "qwen3-moe") has block 0 dense and block 1 sparse
-(8 experts of 32, top-2, norm_topk_prob). The generic family tests (test_hf_models.py) cover its eval on
-one rank; here:
+The tiny fixtures (tests/trainer/hf_fixtures.py): "qwen3-moe" has block 0 dense and block 1 sparse
+(8 experts of 32, top-2, norm_topk_prob); "mixtral" both blocks sparse (4 experts of 32, top-2) and a
+16-token window. The generic family tests (test_hf_models.py) cover Qwen3-MoE's eval on one rank; here:
 - the config.json fields read (sparse blocks, aux coefficient), refusals by name, parameter counts
-  against the built model and transformers';
+  against the built model and transformers'; the stacked experts' per-expert checkpoint tensors,
+  names and shapes, against the files transformers wrote;
 - the router's logits, top-k choice and weights, and the block's output, equal transformers' on a
-  fixed input; the aux loss equals transformers' load_balancing_loss_func, gradient included;
-- `trainer eval` on 2 ranks, one step's gradients (2 ranks) and 8 training steps on 2 ranks with the
-  aux loss on, exported and reloaded by transformers.
+  fixed input (the grouped-GEMM path's forward equal to the loop's); the aux loss equals
+  transformers' load_balancing_loss_func, gradient included;
+- `trainer eval` on 2 ranks with and without expert parallelism (EP 2) and on 4 (EP 2 x FSDP 2), one
+  step's gradients (2 ranks, EP 1 and 2), 8 training steps on 2 ranks with EP 2 and the aux loss on,
+  exported and reloaded by transformers, and its step-4 checkpoint resumed without EP giving the same
+  losses;
+- Mixtral: eval with EP 2 on 2 ranks, and 8 steps with EP 2 exported and reloaded by transformers.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.trainer.conftest import assert_ok, torchrun
-from tests.trainer.hf_fixtures import load_reference, make_model, reference_eval
+from tests.trainer.hf_fixtures import MIXTRAL, load_reference, make_model, reference_eval
+from tests.trainer.test_gpt_oss import _losses
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
 from trainer.config import ModelConfig, load_config
 from trainer.errors import ConfigError
-from trainer.hf.adapter import from_hf, to_hf
+from trainer.hf.adapter import checkpoint_tensors, from_hf
 from trainer.hf.config import architecture_from_dict
+from trainer.hf.weights import checkpoint_shapes
 from trainer.model import build_model
 from trainer.moe import MoEFeedForward, RouterStats, route, router_aux_loss
 
@@ -64,15 +72,18 @@ def test_config_fields_and_counts(moe):
     # FLOPs count the active parameters: 2 of the 8 experts.
     attention = 6 * 2 * 4 * (2 * 24) * 64
     assert cfg.flops_per_token(64) == 6 * (cfg.active_params - cfg.embedding_params) + attention
-    names = {to_hf(n, "qwen3_moe") for n, _ in model.named_parameters()}
-    assert names == set(json.loads((moe / "model.safetensors.index.json").read_text())["weight_map"])
-    assert all(to_hf(from_hf(n), "qwen3_moe") == n for n in names)
+    # The stacked experts are the checkpoint's per-expert tensors, shapes included.
+    shapes = checkpoint_shapes(model)
+    assert shapes == {name: tuple(p.shape) for name, p in _tensors(moe).items()}
+    assert shapes["model.layers.1.mlp.experts.7.gate_proj.weight"] == (32, 64)
+    assert {from_hf(n) for n in shapes} == {n for n, _ in model.named_parameters()}
+    assert all(n in {t.name for t in checkpoint_tensors(from_hf(n), "qwen3_moe", 8)} for n in shapes)
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("shared_expert_intermediate_size", 64, "shared expert"),
     ("router_jitter_noise", 0.1, "router noise"),
-    ("model_type", "mixtral", "mixture-of-experts"),
+    ("model_type", "qwen2_moe", "mixture-of-experts"),
 ])
 def test_unsupported_moe_fields_are_refused_by_name(moe, field, value, words):
     with pytest.raises(ConfigError) as e:
@@ -94,17 +105,15 @@ def test_lora_on_moe_adapts_attention_and_dense_blocks_only(moe):
     assert trainable == {f"{m}.lora_{x}" for m in adapted for x in "ab"}
 
 
-def _ours_from_theirs(block) -> MoEFeedForward:
-    """Our MoE block with the weights of transformers' Qwen3MoeSparseMoeBlock."""
+def _ours_from_theirs(block, norm_topk_prob: bool) -> MoEFeedForward:
+    """Our MoE block with the weights of transformers' Qwen3MoeSparseMoeBlock or MixtralSparseMoeBlock
+    (transformers 5 stacks the experts in memory as we do)."""
     n, two_f, dim = block.experts.gate_up_proj.shape
-    ours = MoEFeedForward(_moe_config(dim, two_f // 2, n, block.gate.top_k, block.gate.norm_topk_prob))
+    ours = MoEFeedForward(_moe_config(dim, two_f // 2, n, block.gate.top_k, norm_topk_prob))
     with torch.no_grad():
         ours.router.weight.copy_(block.gate.weight)
-        for e, expert in enumerate(ours.experts):
-            gate, up = block.experts.gate_up_proj[e].chunk(2, dim=0)
-            expert.w1.weight.copy_(gate)
-            expert.w3.weight.copy_(up)
-            expert.w2.weight.copy_(block.experts.down_proj[e])
+        ours.experts.gate_up_proj.copy_(block.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(block.experts.down_proj)
     return ours
 
 
@@ -115,7 +124,7 @@ def _moe_config(dim: int, ffn: int, experts: int, top_k: int, norm_topk_prob: bo
 
 def test_router_and_block_equal_transformers(moe):
     block = load_reference(moe).model.layers[1].mlp
-    ours = _ours_from_theirs(block)
+    ours = _ours_from_theirs(block, block.gate.norm_topk_prob)
     x = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0))
     flat = x.reshape(-1, 64)
     with torch.no_grad():
@@ -128,6 +137,10 @@ def test_router_and_block_equal_transformers(moe):
         counts = torch.bincount(indices.reshape(-1), minlength=8)
         assert counts.min() > 0 and counts.max() < flat.shape[0]
         assert torch.allclose(ours(x), block(x), rtol=1e-5, atol=1e-6)
+        # The grouped-GEMM path (CUDA bf16 in training; its forward runs on CPU too) equals the loop.
+        routed = torch.randn(int(counts.sum()), 64, generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(ours.experts.grouped(routed, counts), ours.experts.looped(routed, counts),
+                              rtol=1e-5, atol=1e-5)
     assert torch.equal(ours.stats.tokens_per_expert, counts.float())
 
 
@@ -151,7 +164,7 @@ def test_aux_loss_equals_transformers(moe):
     # Through the model: the last forward's stats of the sparse block.
     model = load_reference(moe)
     block = model.model.layers[1].mlp
-    ours_block = _ours_from_theirs(block)
+    ours_block = _ours_from_theirs(block, block.gate.norm_topk_prob)
     x = torch.randn(2, 30, 64, generator=gen)
     ours_block(x)
     their_logits = block.gate(x.reshape(-1, 64))[0]
@@ -159,20 +172,25 @@ def test_aux_loss_equals_transformers(moe):
     assert router_aux_loss([ours_block.stats], 8).item() == pytest.approx(want.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 1), (2, 2), (4, 2)])
 @pytest.mark.slow
-def test_eval_equals_transformers_on_two_ranks(moe, docs):
+def test_eval_equals_transformers_on_several_ranks(moe, docs, nproc, expert_parallel):
+    """Each of 2 ranks holding half of every expert (FSDP), all of half the experts (EP 2), and on 4
+    ranks a quarter (EP 2 x FSDP 2): each rank loads its experts' per-expert tensors only."""
     path, texts = docs
     want_loss, want_tokens = reference_eval(moe, texts, SEQ_LEN)
-    got = _json_line(torchrun(2, _eval_args(moe, path)))
+    got = _json_line(torchrun(nproc, _eval_args(moe, path, "--set",
+                                                f"parallel.expert_parallel={expert_parallel}")))
     assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
 
 
+@pytest.mark.parametrize("expert_parallel", [1, 2])
 @pytest.mark.slow
-def test_one_step_gradients_equal_transformers(moe, docs, tmp_path):
+def test_one_step_gradients_equal_transformers(moe, docs, tmp_path, expert_parallel):
     path, _ = docs
     out = tmp_path / "grads.json"
-    assert_ok(torchrun(2, ["-m", "tests.trainer.hf_worker", "grads", str(moe), str(path), str(out)],
-                       timeout=300))
+    assert_ok(torchrun(2, ["-m", "tests.trainer.hf_worker", "grads", str(moe), str(path), str(out),
+                           f"parallel.expert_parallel={expert_parallel}"], timeout=300))
     worst = json.loads(out.read_text())
     # Every parameter, each expert's three projections and the router included.
     assert len(worst) == len(json.loads((moe / "model.safetensors.index.json").read_text())["weight_map"])
@@ -181,19 +199,33 @@ def test_one_step_gradients_equal_transformers(moe, docs, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_export_reload_in_transformers(moe, docs, tmp_path):
+def test_train_with_expert_parallelism_export_reload_and_resume_without_it(moe, docs, tmp_path):
     path, texts = docs
-    summary = _train(tmp_path, moe, path, 2, "--set", "model.router_aux_loss_coef=0.01")
+    trained = tmp_path / "ep2"
+    trained.mkdir()
+    summary = _train(trained, moe, path, 2, "--set", "model.router_aux_loss_coef=0.01", "--set",
+                     "parallel.expert_parallel=2", "--set", "checkpoint.interval=4")
     assert summary["final_loss"] < summary["first_loss"]
     # Every step's record has the load balance: the whole job's top-2 assignments per expert of the one
     # sparse block (2 per counted-or-not token slot: 4 rows x 64 tokens x 2), and the aux loss.
-    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()
              if '"event"' not in line]
     for record in steps:
         (load,) = record["tokens_per_expert"]
         assert len(load) == 8 and sum(load) == 4 * SEQ_LEN * 2
         assert record["expert_load_max_over_mean"][0] >= 1.0 and record["router_aux_loss"] > 0
-    export = tmp_path / "export"
+    # The step-4 checkpoint (stacked experts, [8, ...] whole in DCP's view) resumed on the same 2 ranks
+    # without expert parallelism: each rank now holds 4 experts of every stacked tensor by FSDP instead
+    # of 4 experts by expert parallelism, and steps 5-8 give the same losses.
+    reference = _losses(trained / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, 9))
+    resumed_dir = tmp_path / "ep1"
+    shutil.copytree(trained / "ckpt" / "step_00000004", resumed_dir / "ckpt" / "step_00000004")
+    _train(resumed_dir, moe, path, 2, "--set", "model.router_aux_loss_coef=0.01")
+    resumed = _losses(resumed_dir / "metrics.jsonl")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert resumed == pytest.approx({step: reference[step] for step in resumed}, rel=1e-5)
+    export = trained / "export"
     original, exported = _tensors(moe), _tensors(export)
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {
         k: (v.shape, v.dtype) for k, v in original.items()}
@@ -223,6 +255,22 @@ def test_estimate_counts_the_experts(moe):
     more_experts = cfg.model_copy(update={"model": m.model_copy(update={"n_active_experts": 4})})
     wider = activation_bytes(more_experts, 1, checkpointing=False)
     assert wider > activation_bytes(cfg, 1, checkpointing=False)
+    # Expert parallelism 2: the sparse block, the largest FSDP unit, gathers half of its experts (bf16,
+    # twice: this unit and the next one prefetched) and reduces half of their gradients (bf16 + fp32).
+    split = load_config("finetune", [f"model.hf_dir={moe}", "data.path=x.jsonl", "data.seq_len=64",
+                                     "training.global_batch_size=2", "parallel.expert_parallel=2"])
+    half_the_experts = 8 * 3 * 64 * 32 // 2
+    assert result.gathered - estimate(split, 2).gathered == (2 * 2 + 2 + 4) * half_the_experts
+
+
+def test_expert_parallelism_splits_swiglu_experts(moe):
+    """Qwen3-MoE's experts are stacked as gpt-oss's are, so expert parallelism takes them; it must still
+    divide the expert count."""
+    overrides = [f"model.hf_dir={moe}", "data.path=x.jsonl", "data.seq_len=64"]
+    assert load_config("finetune", [*overrides, "parallel.expert_parallel=2"]).parallel.expert_parallel == 2
+    with pytest.raises(ConfigError) as e:
+        load_config("finetune", [*overrides, "parallel.expert_parallel=3"])
+    assert "parallel.expert_parallel" in str(e.value) and "n_experts=8" in str(e.value)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -252,14 +300,17 @@ def test_aux_loss_gradient_reaches_the_router(checkpointing):
 
 def test_an_expert_without_tokens_still_gets_a_zero_gradient():
     block = MoEFeedForward(_moe_config(8, 4, experts=4, top_k=2, norm_topk_prob=False))
+    gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         block.router.weight.zero_()
         block.router.weight[:2] = 1.0  # experts 0 and 1 win for every positive input
-    block(torch.rand(5, 8) + 0.1).sum().backward()
+        for param in block.experts.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen))
+    block(torch.rand(5, 8, generator=gen) + 0.1).sum().backward()
     assert block.stats.tokens_per_expert.tolist() == [5, 5, 0, 0]
-    for e in (2, 3):
-        grad = block.experts[e].w1.weight.grad
-        assert grad is not None and torch.equal(grad, torch.zeros_like(grad))
+    for param in (block.experts.gate_up_proj, block.experts.down_proj):
+        assert torch.equal(param.grad[2:], torch.zeros_like(param.grad[2:]))
+        assert param.grad[:2].abs().amax(dim=(1, 2)).gt(0).all()
 
 
 def test_own_model_with_experts_trains_but_has_no_hf_export():
@@ -271,3 +322,63 @@ def test_own_model_with_experts_trains_but_has_no_hf_export():
         load_config("finetune", ["model.n_experts=4", "model.dim=64", "model.n_heads=4", "data.path=x.jsonl",
                                  "data.seq_len=64", "checkpoint.hf_export_dir=/tmp/out"])
     assert "checkpoint.hf_export_dir" in str(e.value)
+
+
+# -- Mixtral -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> Path:
+    return make_model(MIXTRAL, tmp_path_factory.mktemp("hf-mixtral") / "mixtral")
+
+
+def test_mixtral_config_fields_counts_and_checkpoint_names(mixtral):
+    cfg = load_config("finetune", [f"model.hf_dir={mixtral}", "data.path=x.jsonl", "data.seq_len=64"]).model
+    assert (cfg.family, cfg.n_experts, cfg.n_active_experts, cfg.expert_ffn_dim) == ("mixtral", 4, 2, 32)
+    assert cfg.norm_topk_prob and cfg.moe_layers is None and cfg.expert_kind == "swiglu"
+    assert (cfg.sliding_window, cfg.sliding_layers) == (16, None)
+    assert not (cfg.qkv_bias or cfg.o_bias or cfg.qk_norm or cfg.router_bias)
+    model = build_model(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params
+    assert sum(p.numel() for p in load_reference(mixtral).parameters()) == cfg.num_params
+    shapes = checkpoint_shapes(model)
+    assert shapes == {name: tuple(p.shape) for name, p in _tensors(mixtral).items()}
+    assert shapes["model.layers.0.block_sparse_moe.experts.3.w3.weight"] == (32, 64)
+    assert {from_hf(n) for n in shapes} == {n for n, _ in model.named_parameters()}
+
+
+def test_mixtral_block_equals_transformers(mixtral):
+    block = load_reference(mixtral).model.layers[0].mlp
+    ours = _ours_from_theirs(block, norm_topk_prob=True)
+    x = torch.randn(3, 40, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(ours(x), block(x), rtol=1e-5, atol=1e-6)
+    assert ours.stats.tokens_per_expert.min() > 0
+
+
+@pytest.mark.slow
+def test_mixtral_eval_with_expert_parallelism_equals_transformers(mixtral, docs):
+    path, texts = docs
+    want_loss, want_tokens = reference_eval(mixtral, texts, SEQ_LEN)
+    got = _json_line(torchrun(2, _eval_args(mixtral, path, "--set", "parallel.expert_parallel=2")))
+    assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
+
+
+@pytest.mark.slow
+def test_mixtral_train_with_expert_parallelism_export_reload(mixtral, docs, tmp_path):
+    path, texts = docs
+    summary = _train(tmp_path, mixtral, path, 2, "--set", "parallel.expert_parallel=2")
+    assert summary["final_loss"] < summary["first_loss"]
+    original, exported = _tensors(mixtral), _tensors(tmp_path / "export")
+    assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {
+        k: (v.shape, v.dtype) for k, v in original.items()}
+    for name in ("model.layers.0.block_sparse_moe.gate.weight",
+                 *(f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight" for e in range(4))):
+        assert not torch.equal(exported[name], original[name]), name
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
+    assert not any(info.values()), info
+    before, _ = reference_eval(mixtral, texts, SEQ_LEN)
+    after, _ = reference_eval(tmp_path / "export", texts, SEQ_LEN)
+    assert after < before - 0.05

@@ -6,22 +6,24 @@ The families share one block (trainer/model.py); what differs is read here:
 |---|---|---|---|---|---|
 | llama   | attention_bias | attention_bias | - | head_dim or hidden/heads | default, llama3 |
 | mistral | - | - | - | head_dim or hidden/heads | default |
+| mixtral | - | - | - | head_dim or hidden/heads | default |
 | qwen2   | always | - | - | hidden/heads | default |
 | qwen3   | attention_bias | attention_bias | yes | head_dim | default |
 | qwen3_moe | attention_bias | attention_bias | yes | head_dim | default |
 | gpt_oss | attention_bias (true) | attention_bias (true) | - | head_dim | yarn |
 
 Sliding-window layers come from layer_types (transformers 5 writes it for every family; gpt-oss:
-every other block), else from Mistral's sliding_window (every block), else from Qwen2/3's
+every other block), else from Mistral's and Mixtral's sliding_window (every block), else from Qwen2/3's
 use_sliding_window (the blocks from max_window_layers on).
 
 qwen3_moe adds the mixture of experts (trainer/moe.py): num_experts (transformers 5 writes
 num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, and which blocks are
 sparse (not in mlp_only_layers, (index + 1) a multiple of decoder_sparse_step; the others keep the
-dense intermediate_size feed-forward). gpt_oss makes every block sparse with num_local_experts
-stacked experts of intermediate_size (biases, clamped SwiGLU: swiglu_alpha, swiglu_limit), a router
-with a bias, and attention sinks. router_aux_loss_coef counts when output_router_logits is true, as
-in transformers. Shared experts and router noise are refused by name.
+dense intermediate_size feed-forward). mixtral makes every block sparse with num_local_experts SwiGLU
+experts of intermediate_size, the top-k always renormalised. gpt_oss makes every block sparse with
+num_local_experts stacked experts of intermediate_size (biases, clamped SwiGLU: swiglu_alpha,
+swiglu_limit), a router with a bias, and attention sinks. router_aux_loss_coef counts when
+output_router_logits is true, as in transformers. Shared experts and router noise are refused by name.
 
 Both spellings of the rotary settings are read: transformers 4 writes `rope_theta` + `rope_scaling`,
 transformers 5 `rope_parameters`. Anything this trainer would compute differently from transformers
@@ -38,9 +40,9 @@ from typing import Any
 
 from trainer.errors import ConfigError, Problem
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
+SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
 # The next mixture-of-experts families: named in the refusal so users know they are coming, not mistyped.
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("qwen2_moe",)
 # Mixture-of-experts fields this trainer does not implement: refused when set (non-zero, non-empty).
 _UNSUPPORTED_MOE_FIELDS = {
     "shared_expert_intermediate_size": "a shared expert",
@@ -148,15 +150,22 @@ def _rope(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str,
     return out
 
 
-def _moe(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields, as transformers' Qwen3MoeDecoderLayer reads them."""
+def _moe(raw: dict[str, Any], family: str, problems: list[Problem], where: str) -> dict[str, Any]:
+    """Qwen3-MoE's and Mixtral's expert fields, as transformers' Qwen3MoeDecoderLayer and
+    MixtralDecoderLayer read them."""
     for name, what in _UNSUPPORTED_MOE_FIELDS.items():
         if raw.get(name):
             problems.append(Problem(f"{where}: {name}", raw[name], f"asks for {what}, which this trainer "
                                     "does not implement", "use a model without it"))
-    experts = raw.get("num_experts", raw.get("num_local_experts"))
-    names = {"num_experts": experts, "num_experts_per_tok": raw.get("num_experts_per_tok"),
-             "moe_intermediate_size": raw.get("moe_intermediate_size")}
+    mixtral = family == "mixtral"
+    if mixtral:
+        experts_field, width_field = "num_local_experts", "intermediate_size"
+        experts = raw.get("num_local_experts")
+    else:
+        experts_field, width_field = "num_experts", "moe_intermediate_size"
+        experts = raw.get("num_experts", raw.get("num_local_experts"))
+    names = {experts_field: experts, "num_experts_per_tok": raw.get("num_experts_per_tok"),
+             width_field: raw.get(width_field)}
     bad = [name for name, value in names.items() if not isinstance(value, int) or value < 0]
     if bad:
         problems.extend(Problem(f"{where}: {name}", names[name], "is missing or not an integer",
@@ -164,13 +173,15 @@ def _moe(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, 
         return {}
     if experts == 0:
         return {}
+    coef = float(raw.get("router_aux_loss_coef") or 0.0) if raw.get("output_router_logits") else 0.0
+    fields = {"n_experts": experts, "n_active_experts": names["num_experts_per_tok"],
+              "moe_ffn_dim": names[width_field], "router_aux_loss_coef": coef}
+    if mixtral:  # every block sparse, the top-k always renormalised
+        return {**fields, "norm_topk_prob": True}
     step = raw.get("decoder_sparse_step") or 1
     dense = set(raw.get("mlp_only_layers") or [])
     sparse = [i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
-    coef = float(raw.get("router_aux_loss_coef") or 0.0) if raw.get("output_router_logits") else 0.0
-    return {"n_experts": experts, "n_active_experts": names["num_experts_per_tok"],
-            "moe_ffn_dim": names["moe_intermediate_size"], "norm_topk_prob": bool(raw.get("norm_topk_prob")),
-            "router_aux_loss_coef": coef, "moe_layers": sparse}
+    return {**fields, "norm_topk_prob": bool(raw.get("norm_topk_prob")), "moe_layers": sparse}
 
 
 def _gpt_oss_moe(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str, Any]:
@@ -205,7 +216,7 @@ def _sliding(raw: dict[str, Any], family: str, problems: list[Problem], where: s
                                     "restore the model's config.json"))
             return {}
         sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    elif family == "mistral" and raw.get("sliding_window"):
+    elif family in ("mistral", "mixtral") and raw.get("sliding_window"):
         sliding = list(range(n_layers))
     elif raw.get("use_sliding_window"):
         sliding = list(range(raw.get("max_window_layers", 0), n_layers))
@@ -249,12 +260,12 @@ def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
         "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "qkv_bias": True if family == "qwen2" else attention_bias,
-        "o_bias": False if family in ("qwen2", "mistral") else attention_bias,
+        "o_bias": False if family in ("qwen2", "mistral", "mixtral") else attention_bias,
         "qk_norm": family in ("qwen3", "qwen3_moe"),
         **_rope(raw, problems, where),
     }
-    if family == "qwen3_moe":
-        fields.update(_moe(raw, problems, where))
+    if family in ("qwen3_moe", "mixtral"):
+        fields.update(_moe(raw, family, problems, where))
     if family == "gpt_oss":
         fields.update(_gpt_oss_moe(raw, problems, where))
     fields.update(_sliding(raw, family, problems, where))

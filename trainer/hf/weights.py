@@ -3,7 +3,9 @@
 In: `check_weights` (before any process group) reads only the safetensors headers and the index and
 refuses a directory that cannot fill the model, naming the file and the tensor; `load_weights` then
 lets DCP's HuggingFaceStorageReader copy each rank's rows of each tensor straight from the files
-(safetensors slices) into the rank's shard, converting the dtype on the way. gpt-oss's experts as the
+(safetensors slices) into the rank's shard, converting the dtype on the way; Qwen3-MoE's and Mixtral's
+per-expert tensors go straight into the rows of the stacked experts the rank holds (a rank reads only
+its own experts' tensors; the export writes them back the same way). gpt-oss's experts as the
 Hub ships them, MXFP4 (`*_blocks` 4-bit values in groups of 32, `*_scales` a power-of-two exponent per
 group, stored [experts, out, in]), are read by each rank for its own experts only (safetensors slices of
 the blocks and scales), dequantised one expert at a time and transposed into the [experts, in, out]
@@ -20,6 +22,7 @@ merged weights or a PEFT adapter directory.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 import time
@@ -48,7 +51,7 @@ from trainer.checkpoint.manifest import (
 )
 from trainer.config import ModelConfig, TrainConfig
 from trainer.errors import ConfigError, Problem
-from trainer.hf.adapter import is_lora, to_hf, to_peft
+from trainer.hf.adapter import checkpoint_tensors, is_lora, to_hf, to_peft
 from trainer.hf.config import DTYPE_NAMES, HFArchitecture, model_type_of, read_architecture
 from trainer.lora import LoRALinear
 from trainer.model import Transformer
@@ -146,18 +149,18 @@ def check_weights(model: Transformer, model_dir: Path) -> None:
     """Before any process group: every parameter the model loads is in the files with its shape."""
     table = read_tensor_table(model_dir)
     problems = []
-    for hf_name, param in base_parameters(model).items():
+    for hf_name, shape in checkpoint_shapes(model).items():
         header = table.get(hf_name)
         if header is None and is_mxfp4(hf_name, table):
-            problem = _mxfp4_problem(hf_name, tuple(param.shape), table, model_dir)
+            problem = _mxfp4_problem(hf_name, shape, table, model_dir)
             problems.extend([problem] if problem else [])
         elif header is None:
             problems.append(Problem("model.hf_dir", str(model_dir), f"has no tensor {hf_name}",
                                     "use the weights that belong to this config.json"))
-        elif header.shape != tuple(param.shape):
+        elif header.shape != shape:
             problems.append(Problem("model.hf_dir", f"{model_dir}/{header.file}",
                                     f"holds {hf_name} with shape {list(header.shape)}, the config.json "
-                                    f"gives {list(param.shape)}", "use the weights that belong to this "
+                                    f"gives {list(shape)}", "use the weights that belong to this "
                                     "config.json"))
         elif header.dtype not in SAFETENSORS_DTYPES:
             problems.append(Problem("model.hf_dir", f"{model_dir}/{header.file}", f"stores {hf_name} as "
@@ -167,11 +170,36 @@ def check_weights(model: Transformer, model_dir: Path) -> None:
         raise ConfigError(problems)
 
 
-def base_parameters(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's own (non-adapter) parameters by their Hugging Face names. Tied embeddings appear
-    once, as the input embedding, which is how save_pretrained stores them."""
-    return {to_hf(name, model.cfg.family): param for name, param in model.named_parameters()
-            if not is_lora(name)}
+def checkpoint_views(model: Transformer) -> dict[str, torch.Tensor]:
+    """What this rank loads and exports of the model's own (non-adapter) parameters, by Hugging Face
+    name: each (sharded) parameter, or for experts the checkpoints store one expert apart (Qwen3-MoE,
+    Mixtral), views of this rank's experts' rows (other ranks hold the other experts). Tied embeddings
+    appear once, as the input embedding, which is how save_pretrained stores them."""
+    views = {}
+    for name, param in model.named_parameters():
+        if is_lora(name):
+            continue
+        parts = checkpoint_tensors(name, model.cfg.family, model.cfg.n_experts)
+        if parts[0].expert is None:
+            views[parts[0].name] = param
+            continue
+        rows = _local_rows(param)
+        local = (param.to_local() if isinstance(param, DTensor) else param).detach()
+        views.update({part.name: part.view(local, rows.start) for part in parts
+                      if rows.start <= part.expert < rows.stop})
+    return views
+
+
+def checkpoint_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint holds for the model's own parameters, by Hugging Face name, with its
+    shape (all experts, whichever rank holds them)."""
+    shapes = {}
+    for name, param in model.named_parameters():
+        if not is_lora(name):
+            whole = torch.empty(param.shape, device="meta")
+            for part in checkpoint_tensors(name, model.cfg.family, model.cfg.n_experts):
+                shapes[part.name] = tuple(part.view(whole).shape)
+    return shapes
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -201,7 +229,7 @@ def load_weights(model: Transformer, model_dir: Path, log: Callable[[str], None]
     """Collective: fill every rank's shards from the files (DCP reads each rank's slices only)."""
     started = time.monotonic()
     table = read_tensor_table(model_dir)
-    params = {name: param.detach() for name, param in base_parameters(model).items()}
+    params = {name: param.detach() for name, param in checkpoint_views(model).items()}
     quantized = {name: param for name, param in params.items() if is_mxfp4(name, table)}
     plain = {name: param for name, param in params.items() if name not in quantized}
     dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(model_dir)))
@@ -245,16 +273,17 @@ def export_state(model: Transformer, dtype: torch.dtype, merge_lora: bool) -> di
     if merge_lora:
         merged = {to_hf(f"{name}.weight", model.cfg.family): module for name, module in model.named_modules()
                   if isinstance(module, LoRALinear)}
-    for hf_name, param in base_parameters(model).items():
+    for hf_name, param in checkpoint_views(model).items():
         state[hf_name] = _merged(merged[hf_name], dtype) if hf_name in merged else param.detach().to(dtype)
     return state
 
 
-def _file_index(state: dict[str, torch.Tensor], shard_bytes: int) -> dict[str, int]:
-    """Tensors in name order into files of about shard_bytes (a bigger tensor gets a file alone)."""
+def _file_index(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, shard_bytes: int) -> dict[str, int]:
+    """Tensors in name order into files of about shard_bytes (a bigger tensor gets a file alone); the
+    same on every rank, whichever tensors it writes."""
     mapping, index, filled = {}, 1, 0
-    for name in sorted(state, key=_natural_key):
-        size = state[name].numel() * state[name].element_size()
+    for name in sorted(shapes, key=_natural_key):
+        size = math.prod(shapes[name]) * dtype.itemsize
         if filled and filled + size > shard_bytes:
             index, filled = index + 1, 0
         mapping[name] = index
@@ -278,8 +307,8 @@ def hf_config_dict(model_cfg: ModelConfig, architecture: HFArchitecture | None, 
     if model_cfg.n_experts:
         raise ConfigError([Problem("model.n_experts", model_cfg.n_experts, "has no Hugging Face export for "
                                    "the project's own model (exports of it are Llama configs)",
-                                   "fine-tune a qwen3_moe or gpt_oss model from model.hf_dir, or export "
-                                   "no HF copy")])
+                                   "fine-tune a qwen3_moe, mixtral or gpt_oss model from model.hf_dir, "
+                                   "or export no HF copy")])
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": model_type_of(model_cfg.family),
         "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.dim,
@@ -347,7 +376,7 @@ def export_model(model: Transformer, out: Path, *, model_cfg: ModelConfig,
         _write_adapter(model, tmp, lora_info or {}, source_dir)
     else:
         state = export_state(model, dtype, merge_lora=lora_export == "merged")
-        mapping = _file_index(state, shard_bytes)
+        mapping = _file_index(checkpoint_shapes(model), dtype, shard_bytes)
         sharded = tmp / "sharded"
         dcp.save(state, storage_writer=HuggingFaceStorageWriter(
             str(sharded), fqn_to_index_mapping=mapping, save_distributed=True))
