@@ -39,11 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from fsdpctl import remote
+from fsdpctl import state as state_mod
 from fsdpctl.checkout import REPO_ROOT
 from fsdpctl.console import stage
 from fsdpctl.errors import CommandError
 from fsdpctl.scripts import render_script
-from fsdpctl.state import ClusterState, DeployRecord, resolve
+from fsdpctl.state import ClusterRecord, ClusterState, DeployRecord
 
 PROJECT_ROOT = REPO_ROOT
 # The trainer wheel holds the trainer package only (nodes never run the operator tool or the Pulumi
@@ -241,26 +242,25 @@ def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
                   trainer_dir=wheel_dir, trainer_wheel=wheels[0].name, includes_torch=torch_pin is not None)
 
 
-def active_ranks(state: ClusterState, ranks: list[int] | None = None) -> list[int]:
+def active_ranks(record: ClusterRecord, ranks: list[int] | None = None) -> list[int]:
     """Ranks of the cluster's nodes that are not excluded (or the requested subset of them)."""
-    record = state.read()
     known = [n.rank for n in record.nodes]
     if not known:
-        raise DeployError(f"cluster {state.name!r} has no nodes in {state.state_path}: "
-                          "run `fsdpctl up` first")
+        raise DeployError(f"cluster {record.name!r} has no nodes in "
+                          f"{state_mod.cluster_state(record.name).state_path}: run `fsdpctl up` first")
     excluded = record.excluded_ranks()
     if ranks is None:
         return [r for r in known if r not in excluded]
     unknown = sorted(set(ranks) - set(known))
     if unknown:
-        raise DeployError(f"rank(s) {unknown} are not nodes of cluster {state.name!r} (ranks: {known})")
+        raise DeployError(f"rank(s) {unknown} are not nodes of cluster {record.name!r} (ranks: {known})")
     return list(ranks)
 
 
-def probe_nodes(state: ClusterState, ranks: list[int]) -> dict[int, dict[str, Any]]:
+def probe_nodes(record: ClusterRecord, ranks: list[int]) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     failures = []
-    answers = remote.run_all(state, render_script("templates/deploy_probe.sh.j2"), ranks=ranks,
+    answers = remote.run_all(record, render_script("templates/deploy_probe.sh.j2"), ranks=ranks,
                              timeout=PROBE_TIMEOUT_S, check=False)
     for rank, proc in answers.items():
         try:
@@ -299,29 +299,31 @@ def _install_script(bundle: Bundle, wheelhouse_dir: str, trainer_dir: str, venv:
                          trainer_key=bundle.trainer_key, torch_version=_public_version(torch_version))
 
 
-def _upload(state: ClusterState, rank: int, local_dir: Path, remote_dir: str) -> str:
+def _upload(record: ClusterRecord, rank: int, local_dir: Path, remote_dir: str) -> str:
     """Copy local_dir to remote_dir on the node unless it is already complete there; returns what
     happened. A half-copied directory is never taken for complete: the copy lands beside it and is
     renamed, and completeness is its `.complete` file."""
     q = shlex.quote
-    done = remote.run(state, rank, f"test -f {q(remote_dir)}/.complete", timeout=PROBE_TIMEOUT_S, check=False)
+    done = remote.run(record, rank, f"test -f {q(remote_dir)}/.complete", timeout=PROBE_TIMEOUT_S,
+                      check=False)
     if done.returncode == 0:
         return "cached"
     partial = f"{remote_dir}.partial"
-    remote.run(state, rank, f"rm -rf {q(partial)}", timeout=PROBE_TIMEOUT_S)
-    remote.copy_to(state, rank, local_dir, partial)
-    remote.run(state, rank, f"set -e; rm -rf {q(remote_dir)}; mv {q(partial)} {q(remote_dir)}",
+    remote.run(record, rank, f"rm -rf {q(partial)}", timeout=PROBE_TIMEOUT_S)
+    remote.copy_to(record, rank, local_dir, partial)
+    remote.run(record, rank, f"set -e; rm -rf {q(remote_dir)}; mv {q(partial)} {q(remote_dir)}",
                timeout=PROBE_TIMEOUT_S)
     return "uploaded"
 
 
-def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> DeployRecord:
-    """Build, upload and install the trainer on the given ranks (default: every non-excluded node).
-    Returns the deploy record also stored in state.json under `deploy`."""
+def deploy(state: ClusterState, record: ClusterRecord, *, ranks: list[int] | None = None) -> DeployRecord:
+    """Build, upload and install the trainer on the given ranks (default: every non-excluded node) of
+    the cluster `record` holds (as the command read it). Returns the deploy record, also written to
+    `state` (state.json's `deploy`)."""
     started = time.monotonic()
-    ranks = active_ranks(state, ranks)
+    ranks = active_ranks(record, ranks)
     _log(f"probing {len(ranks)} node(s)")
-    facts = probe_nodes(state, ranks)
+    facts = probe_nodes(record, ranks)
     platform = _common_platform(facts)
     homes = {f["home"] for f in facts.values()}
     if len(homes) != 1:
@@ -338,7 +340,7 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> DeployReco
                     for f in facts.values())
     bundle = build_bundle(platform, None if all_reuse else f"torch=={torch_version}")
 
-    shared_dir = state.read().shared_dir
+    shared_dir = record.shared_dir
     base = f"{shared_dir}/fsdp-cluster" if shared_dir else f"{home}/.fsdp-cluster"
     wheelhouse_dir = f"{base}/wheelhouse/{bundle.wheelhouse_key}"
     trainer_dir = f"{base}/trainer/{bundle.trainer_key}"
@@ -346,8 +348,8 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> DeployReco
     upload_ranks = ranks[:1] if shared_dir else ranks
     where = "shared file system" if shared_dir else "node"
     with ThreadPoolExecutor(max_workers=min(8, len(upload_ranks))) as pool:
-        futures = {pool.submit(lambda r: (_upload(state, r, bundle.wheelhouse, wheelhouse_dir),
-                                          _upload(state, r, bundle.trainer_dir, trainer_dir)), r): r
+        futures = {pool.submit(lambda r: (_upload(record, r, bundle.wheelhouse, wheelhouse_dir),
+                                          _upload(record, r, bundle.trainer_dir, trainer_dir)), r): r
                    for r in upload_ranks}
         for fut in as_completed(futures):
             deps, trainer = fut.result()
@@ -363,7 +365,7 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> DeployReco
             _log(f"node {rank}: {lines[-1] if lines else 'installed'} "
                  f"({time.monotonic() - started_install:.0f} s)")
 
-    results = remote.run_all(state, script, ranks=ranks, timeout=INSTALL_TIMEOUT_S, check=False,
+    results = remote.run_all(record, script, ranks=ranks, timeout=INSTALL_TIMEOUT_S, check=False,
                              on_result=report)
     failures = [f"node {rank}: install timed out after {INSTALL_TIMEOUT_S} s"
                 if proc.returncode == remote.TIMEOUT_RC
@@ -372,33 +374,31 @@ def deploy(state: ClusterState, *, ranks: list[int] | None = None) -> DeployReco
     if failures:
         raise DeployError("installing the trainer failed:\n  " + "\n  ".join(sorted(failures)))
 
-    record = DeployRecord(bundle=bundle.key, venv=venv, wheelhouse_dir=wheelhouse_dir,
-                          trainer_dir=trainer_dir, ranks=sorted(ranks), torch=torch_version,
-                          includes_torch=bundle.includes_torch, python=platform.python,
-                          deployed_at=time.time())
-    state.update(deploy=record)
+    deployed = DeployRecord(bundle=bundle.key, venv=venv, wheelhouse_dir=wheelhouse_dir,
+                            trainer_dir=trainer_dir, ranks=sorted(ranks), torch=torch_version,
+                            includes_torch=bundle.includes_torch, python=platform.python,
+                            deployed_at=time.time())
+    state.update(deploy=deployed)
     _log(f"done in {time.monotonic() - started:.0f} s")
-    return record
+    return deployed
 
 
-def deployed_venv(state: ClusterState) -> str:
+def deployed_venv(record: ClusterRecord) -> str:
     """The venv that `fsdpctl deploy` installed the trainer into, or a DeployError saying to deploy."""
-    record = state.read().deploy
-    if record is None:
-        raise DeployError(f"the trainer is not deployed on cluster {state.name!r}: "
+    if record.deploy is None:
+        raise DeployError(f"the trainer is not deployed on cluster {record.name!r}: "
                           "run `fsdpctl deploy` first")
-    return record.venv
+    return record.deploy.venv
 
 
 def deploy_cluster(cluster: str | None = None) -> DeployRecord:
     """Build the trainer wheel and wheelhouse and install them on every node of the cluster (default:
     the one brought up last), offline; what is unchanged since the last deploy is skipped."""
-    state = resolve(cluster)
     try:
-        with state.operation("deploy"):
-            return deploy(state)
+        with remote.cluster_operation(cluster, "deploy") as (state, record, _spec):
+            return deploy(state, record)
     except DeployError as e:
-        raise DeployError(f"deploy to cluster {state.name!r} failed: {e}\n"
+        raise DeployError(f"deploy to cluster {record.name!r} failed: {e}\n"
                           "Fix the cause and rerun `fsdpctl deploy` (finished steps are cached).") from None
 
 

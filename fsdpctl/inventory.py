@@ -20,15 +20,14 @@ from typing import Any
 from fsdpctl import state as state_mod
 from fsdpctl.console import print_json, say
 from fsdpctl.errors import UsageError
-from fsdpctl.remote import ssh_options
-from fsdpctl.state import ClusterState
+from fsdpctl.remote import resolve_cluster, ssh_options
+from fsdpctl.state import ClusterRecord, ClusterState
+from infra.spec import ClusterSpec
 
 GROUP = "nodes"
 
 
-def group_vars(state: ClusterState) -> dict[str, Any]:
-    record = state.read()
-    spec = state.spec()
+def group_vars(record: ClusterRecord, spec: ClusterSpec) -> dict[str, Any]:
     target = record.target
     outputs = record.stack_outputs
     fsx_enabled = target == "aws" and spec.storage.fsx.enabled
@@ -62,12 +61,12 @@ def group_vars(state: ClusterState) -> dict[str, Any]:
     }
 
 
-def host_vars(state: ClusterState) -> dict[str, dict[str, Any]]:
-    record = state.read()
+def host_vars(record: ClusterRecord) -> dict[str, dict[str, Any]]:
     ssh, nodes = record.ssh, record.active_nodes()
     if not ssh or not nodes:
-        raise UsageError(f"cluster {state.name} has no nodes in {state.state_path} (all excluded, or "
-                           "`fsdpctl up` did not finish): run `fsdpctl up` again")
+        raise UsageError(f"cluster {record.name} has no nodes in "
+                         f"{state_mod.cluster_state(record.name).state_path} (all excluded, or "
+                         "`fsdpctl up` did not finish): run `fsdpctl up` again")
     options = ssh_options(ssh)
     # The key goes to its own variable; the rest are shared by every ssh Ansible starts.
     key_at = options.index("-i")
@@ -85,9 +84,9 @@ def host_vars(state: ClusterState) -> dict[str, dict[str, Any]]:
     }
 
 
-def build_inventory(state: ClusterState) -> dict[str, Any]:
+def build_inventory(record: ClusterRecord, spec: ClusterSpec) -> dict[str, Any]:
     """The inventory in Ansible's YAML-inventory layout (valid as JSON too)."""
-    return {"all": {"children": {GROUP: {"hosts": host_vars(state), "vars": group_vars(state)}}}}
+    return {"all": {"children": {GROUP: {"hosts": host_vars(record), "vars": group_vars(record, spec)}}}}
 
 
 def _ini_value(value: Any) -> str:
@@ -118,8 +117,9 @@ def render_ini(inventory: dict[str, Any]) -> str:
 
 
 def write_inventory(state: ClusterState) -> Path:
-    """Write inventory.ini into the state dir (after up, exclude) and return its path."""
-    text = render_ini(build_inventory(state))
+    """Write inventory.ini into the state dir (after up, exclude) and return its path: the state as
+    it is now, read once."""
+    text = render_ini(build_inventory(state.read(), state.spec()))
     tmp = state.inventory_path.with_name(f"inventory.ini.{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(state.inventory_path)
@@ -127,8 +127,8 @@ def write_inventory(state: ClusterState) -> Path:
 
 
 def cmd_inventory(args: Namespace) -> int:
-    state = state_mod.resolve(args.cluster)
-    inventory = build_inventory(state)
+    _state, record, spec = resolve_cluster(args.cluster)
+    inventory = build_inventory(record, spec)
     if args.format == "json":
         print_json(inventory)
     else:

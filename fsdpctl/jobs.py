@@ -14,7 +14,6 @@ from fsdpctl import remote, slurm
 from fsdpctl.console import print_json, say
 from fsdpctl.scripts import render_script
 from fsdpctl.slurm import JobRow
-from fsdpctl.state import resolve
 
 
 def _figure(value: Any, fmt: str) -> str:
@@ -24,17 +23,18 @@ def _figure(value: Any, fmt: str) -> str:
 def jobs(cluster: str | None = None) -> list[JobRow]:
     """The cluster's training jobs, newest first: Slurm state, nodes, and the last step, loss and
     tokens/s of the trainer's metrics (none for a job of the user's own command)."""
-    return slurm.list_jobs(resolve(cluster))
+    _state, record, _spec = remote.resolve_cluster(cluster)
+    return slurm.list_jobs(record)
 
 
 def cmd_jobs(args: Namespace) -> int:
-    state = resolve(args.cluster)
-    rows = slurm.list_jobs(state)
+    _state, record, _spec = remote.resolve_cluster(args.cluster)
+    rows = slurm.list_jobs(record)
     if args.json:
         print_json([dataclasses.asdict(row) for row in rows])
         return 0
     if not rows:
-        say(f"no jobs on cluster {state.name}; submit one with `fsdpctl train CONFIG` or "
+        say(f"no jobs on cluster {record.name}; submit one with `fsdpctl train CONFIG` or "
             "`fsdpctl train --command CMD`")
         return 0
     say(f"{'JOB':>6} {'NAME':<24} {'STATE':<11} {'NODES':<24} {'STEP':>9} {'LOSS':>8} {'TOKENS/S':>10}")
@@ -47,27 +47,28 @@ def cmd_jobs(args: Namespace) -> int:
 
 def logs(cluster: str | None, job_id: int) -> str:
     """A job's output so far (Slurm's slurm-JOB.out in the job's directory)."""
-    state = resolve(cluster)
-    job = slurm.find_job(state, job_id)
+    _state, record, _spec = remote.resolve_cluster(cluster)
+    job = slurm.find_job(record, job_id)
     path = shlex.quote(job.log_file)
-    return slurm.run_slurm(state, f"cat {path} 2>/dev/null || echo '(no output yet)'").stdout
+    return slurm.run_slurm(record, f"cat {path} 2>/dev/null || echo '(no output yet)'").stdout
 
 
 def cmd_logs(args: Namespace) -> int:
     if not args.follow:
         sys.stdout.write(logs(args.cluster, args.job))
         return 0
-    state = resolve(args.cluster)
-    job = slurm.find_job(state, args.job)
+    _state, record, _spec = remote.resolve_cluster(args.cluster)
+    job = slurm.find_job(record, args.job)
     command = render_script("templates/follow_job_log.sh.j2", log_file=job.log_file, job_id=job.job_id)
     sys.stdout.flush()
-    return subprocess.call(remote.ssh_argv(state, remote.node_by_rank(state, slurm.slurm_rank(state)),
+    return subprocess.call(remote.ssh_argv(record, remote.node_by_rank(record, slurm.slurm_rank(record)),
                                            command))
 
 
 def cancel(cluster: str | None, job_id: int) -> None:
     """Cancel a job: its workers get SIGTERM and write a checkpoint first."""
-    slurm.cancel(resolve(cluster), job_id)
+    _state, record, _spec = remote.resolve_cluster(cluster)
+    slurm.cancel(record, job_id)
     say(f"cancelled job {job_id}: its workers get SIGTERM and write a checkpoint; `fsdpctl train` with "
         "the same config and a new --name does not resume it (its checkpoints stay in its directory)")
 

@@ -283,7 +283,7 @@ def _live_health(state: ClusterState, record: ClusterRecord) -> tuple[list[str] 
         return None, str(missing)
 
 
-def _slurm_nodes(state: ClusterState, record: ClusterRecord,
+def _slurm_nodes(record: ClusterRecord,
                  problems: list[str] | None) -> tuple[dict[str, NodeState] | None, str | None]:
     """(each node as Slurm sees it, by name, or None where Slurm is not installed; None) once every
     node answered the live check, else (None, why Slurm was not asked); (None, None) without nodes."""
@@ -296,7 +296,7 @@ def _slurm_nodes(state: ClusterState, record: ClusterRecord,
     if problems:
         return None, "not every node answers"
     try:
-        return slurm.node_states(state), None
+        return slurm.node_states(record), None
     except (CommandError, UsageError) as e:
         return None, str(e)
 
@@ -325,7 +325,7 @@ def status(cluster: str | None = None) -> ClusterStatus:
 
 def _status(state: ClusterState, record: ClusterRecord) -> ClusterStatus:
     problems, not_refreshed = _live_health(state, record)
-    slurm_nodes, slurm_not_asked = _slurm_nodes(state, record, problems)
+    slurm_nodes, slurm_not_asked = _slurm_nodes(record, problems)
     excluded = record.excluded_ranks()
 
     def node_status(node: Node) -> NodeStatus:
@@ -438,7 +438,7 @@ def cmd_exclude(args: Namespace) -> int:
     record = state.change(lambda current: {"excluded": sorted(
         [e for e in current.excluded if e.rank != args.rank] + [entry], key=lambda e: e.rank)})
     say(f"excluded rank {args.rank} from cluster {state.name}: {reason}")
-    _slurm_node(state, next(n.name for n in record.nodes if n.rank == args.rank), drain_reason=reason)
+    _slurm_node(state, record, next(n.name for n in record.nodes if n.rank == args.rank), drain_reason=reason)
     # another exclude may have taken the last nodes since: decide on the state as it is now
     if state.read().active_nodes():
         with contextlib.suppress(UsageError):  # ... or between this read and the rewrite
@@ -449,18 +449,19 @@ def cmd_exclude(args: Namespace) -> int:
     return 0
 
 
-def _slurm_node(state: ClusterState, node_name: str, *, drain_reason: str | None) -> None:
+def _slurm_node(state: ClusterState, record: ClusterRecord, node_name: str, *, drain_reason: str | None
+                ) -> None:
     """Drain a node in Slurm (`exclude`), or return it to service (`replace`), where Slurm runs."""
     from fsdpctl import slurm
 
     try:
-        if not slurm.slurm_configured(state):
+        if not slurm.slurm_configured(record):
             return
         if drain_reason is not None:
-            slurm.drain(state, node_name, f"fsdpctl exclude: {drain_reason}")
+            slurm.drain(record, node_name, f"fsdpctl exclude: {drain_reason}")
             say(f"drained {node_name} in Slurm (running jobs finish, no new ones start there)")
         else:
-            if slurm.run_slurm(state, f"scontrol show node {node_name}", check=False).returncode:
+            if slurm.run_slurm(record, f"scontrol show node {node_name}", check=False).returncode:
                 # A configure while the node was excluded wrote slurm.conf without it: add it back
                 # on every node.
                 from fsdpctl.configure import run_configure
@@ -468,7 +469,7 @@ def _slurm_node(state: ClusterState, node_name: str, *, drain_reason: str | None
                 say(f"Slurm does not know {node_name}: `fsdpctl configure --tags slurm` on every node")
                 if not run_configure(state, tags="slurm").ok:
                     raise CommandError("`fsdpctl configure --tags slurm` failed; run it again")
-            slurm.resume(state, node_name)
+            slurm.resume(record, node_name)
             say(f"{node_name} is back in service in Slurm")
     except CommandError as e:
         warn(f"Slurm did not take the change for {node_name}: {e}")
@@ -512,11 +513,11 @@ def cmd_replace(args: Namespace) -> int:
                                f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
         if record.deploy is not None:
             try:
-                deploy(state, ranks=[args.rank])
+                deploy(state, record, ranks=[args.rank])
             except DeployError as e:
                 raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
                                    "run `fsdpctl deploy`.") from None
-        _slurm_node(state, node.name, drain_reason=None)
+        _slurm_node(state, record, node.name, drain_reason=None)
     say(f"{node.name} replaced" + (" and configured" if configured else "")
         + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")

@@ -26,8 +26,9 @@ from typing import Any
 from fsdpctl import remote
 from fsdpctl.console import print_json, say
 from fsdpctl.errors import CommandError
-from fsdpctl.state import ClusterState, resolve
+from fsdpctl.state import ClusterRecord
 from infra.catalog import CATALOG
+from infra.spec import ClusterSpec
 
 PROMETHEUS_PORT = 9090  # monitoring_prometheus_port in ansible/roles/monitoring/defaults/main.yml
 PROMETHEUS_RANK = 0  # monitoring_server_rank
@@ -52,9 +53,9 @@ def _free_port() -> int:
 class Prometheus:
     """Prometheus's HTTP API on node 0 through an SSH tunnel; use as a context manager."""
 
-    def __init__(self, state: ClusterState):
-        self.state = state
-        self.node = remote.node_by_rank(state, PROMETHEUS_RANK)
+    def __init__(self, record: ClusterRecord):
+        self.record = record
+        self.node = remote.node_by_rank(record, PROMETHEUS_RANK)
         self.local_port = _free_port()
         self._tunnel: subprocess.Popen | None = None
 
@@ -63,7 +64,7 @@ class Prometheus:
         return f"http://127.0.0.1:{self.local_port}"
 
     def __enter__(self) -> Prometheus:
-        argv = remote.ssh_argv(self.state, self.node, "")[:-1]  # no remote command: -N
+        argv = remote.ssh_argv(self.record, self.node, "")[:-1]  # no remote command: -N
         forward = f"127.0.0.1:{self.local_port}:{self.node.address}:{PROMETHEUS_PORT}"
         argv = [argv[0], "-N", "-o", "ExitOnForwardFailure=yes", "-L", forward, *argv[1:]]
         self._tunnel = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -161,28 +162,28 @@ NODE_QUERIES = {
 }
 
 
-def link_capacity_bps(state: ClusterState) -> float | None:
+def link_capacity_bps(record: ClusterRecord, spec: ClusterSpec) -> float | None:
     """The network capacity of one node from the infra catalog (AWS instance types); None on the local
     target, whose veth links report their own speed (node_network_speed_bytes)."""
-    if state.read().target == "local":
+    if record.target == "local":
         return None
-    instance = CATALOG.get(state.spec().instance_type)
+    instance = CATALOG.get(spec.instance_type)
     return instance.network_gbps * 1e9 if instance else None
 
 
-def node_view(state: ClusterState, prom: Prometheus) -> dict[str, Any]:
-    """Every node of the state, with what Prometheus has for it now (None where nothing is exported)."""
+def node_view(record: ClusterRecord, spec: ClusterSpec, prom: Prometheus) -> dict[str, Any]:
+    """Every node of the record, with what Prometheus has for it now (None where nothing is exported)."""
     columns = {name: by_node(prom.query(q)) for name, q in NODE_QUERIES.items()}
-    catalog_link = link_capacity_bps(state)
+    catalog_link = link_capacity_bps(record, spec)
     rows = []
-    for node in remote.cluster_nodes(state):
+    for node in remote.cluster_nodes(record):
         values: dict[str, float | None] = {name: col.get(node.name) for name, col in columns.items()}
         if catalog_link:
             values["link_bps"] = catalog_link
         rows.append({"rank": node.rank, "node": node.name, "address": node.address, **values})
     jobs = prom.query("max by (job) (fsdp_trainer_tokens_per_second and on (job) "
                       f"(time() - max by (job) (fsdp_trainer_last_update_seconds) < {LIVE_S}))")
-    return {"cluster": state.name, "time": time.time(), "nodes": rows,
+    return {"cluster": record.name, "time": time.time(), "nodes": rows,
             "jobs": {r["metric"].get("job", "?"): float(r["value"][1]) for r in jobs}}
 
 
@@ -222,10 +223,10 @@ def render_view(view: dict[str, Any]) -> str:
 
 
 def cmd_monitor(args: Namespace) -> int:
-    state = resolve(args.cluster)
-    with Prometheus(state) as prom:
-        while True:
-            view = node_view(state, prom)
+    _state, record, spec = remote.resolve_cluster(args.cluster)
+    with Prometheus(record) as prom:
+        while True:  # the nodes as the command read them at its start; Prometheus's figures each time
+            view = node_view(record, spec, prom)
             if args.json:
                 print_json(view)
             else:

@@ -6,20 +6,22 @@ there is one place that knows the key, the known_hosts file and the bastion hop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
 import sys
 import tarfile
 from argparse import Namespace
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
 from fsdpctl import state as state_mod
 from fsdpctl.errors import CommandError, UsageError
-from fsdpctl.state import ClusterState, Node, SshSettings
+from fsdpctl.state import ClusterRecord, ClusterState, Node, SshSettings
+from infra.spec import ClusterSpec
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; a timed-out command reports it too
 SSH_FAILED = 255  # ssh's own exit status for an error (otherwise it passes on the command's)
@@ -33,19 +35,49 @@ class RemoteCommandFailed(CommandError):
                          + (f": {output}" if output else ""))
 
 
-def cluster_nodes(state: ClusterState, *, include_excluded: bool = False) -> list[Node]:
+ClusterNodes = ClusterRecord | ClusterState
+"""Where the helpers below find the nodes and the SSH settings: the record a command read once at its
+entry (`resolve_cluster`) and passes down, or a cluster's state, read on each call, where the nodes
+are still being written (the targets, during `up` and `replace`)."""
+
+
+def resolve_cluster(name: str | None) -> tuple[ClusterState, ClusterRecord, ClusterSpec]:
+    """The cluster a command acts on (`state.resolve`: --cluster NAME, else the current one), with its
+    record and spec: read once, here, for the command to pass down. They are what `resolve` would
+    read to refuse a broken file, so a broken one stops the command the same way."""
+    state = state_mod.resolve(name, readable=False)
+    return state, state.read(), state.spec()
+
+
+@contextlib.contextmanager
+def cluster_operation(name: str | None, what: str
+                      ) -> Iterator[tuple[ClusterState, ClusterRecord, ClusterSpec]]:
+    """`resolve_cluster` for a command that holds the cluster's operation lock while it runs
+    (`ClusterState.operation`): the record and spec are read once the lock is held, so they are what
+    the command before it left, and no other operation changes the nodes under it."""
+    state = state_mod.resolve(name, readable=False)
+    with state.operation(what):
+        yield state, state.read(), state.spec()
+
+
+def _record(cluster: ClusterNodes) -> ClusterRecord:
+    return cluster.read() if isinstance(cluster, ClusterState) else cluster
+
+
+def cluster_nodes(cluster: ClusterNodes, *, include_excluded: bool = False) -> list[Node]:
     """The cluster's nodes ordered by rank; nodes excluded with `fsdpctl exclude` are left out."""
-    record = state.read()
+    record = _record(cluster)
     return sorted(record.nodes, key=lambda n: n.rank) if include_excluded else record.active_nodes()
 
 
-def node_by_rank(state: ClusterState, rank: int) -> Node:
-    nodes = cluster_nodes(state, include_excluded=True)
+def node_by_rank(cluster: ClusterNodes, rank: int) -> Node:
+    record = _record(cluster)
+    nodes = cluster_nodes(record, include_excluded=True)
     for node in nodes:
         if node.rank == rank:
             return node
     ranks = ", ".join(str(n.rank) for n in nodes) or "none (is the cluster up?)"
-    raise UsageError(f"cluster {state.name} has no node with rank {rank}; ranks: {ranks}")
+    raise UsageError(f"cluster {record.name} has no node with rank {rank}; ranks: {ranks}")
 
 
 def ssh_options(ssh: SshSettings) -> list[str]:
@@ -70,22 +102,22 @@ def ssh_options(ssh: SshSettings) -> list[str]:
     return options
 
 
-def _ssh_settings(state: ClusterState) -> SshSettings:
-    ssh = state.read().ssh
-    if not ssh:
-        raise CommandError(f"cluster {state.name} has no SSH settings in {state.state_path}: `fsdpctl up` "
-                           "did not finish; run it again, or `fsdpctl down` to clean up")
-    return ssh
+def _ssh_settings(record: ClusterRecord) -> SshSettings:
+    if not record.ssh:
+        raise CommandError(f"cluster {record.name} has no SSH settings in "
+                           f"{state_mod.cluster_state(record.name).state_path}: `fsdpctl up` did not finish; "
+                           "run it again, or `fsdpctl down` to clean up")
+    return record.ssh
 
 
-def ssh_argv(state: ClusterState, node: Node, command: str) -> list[str]:
-    ssh = _ssh_settings(state)
+def ssh_argv(cluster: ClusterNodes, node: Node, command: str) -> list[str]:
+    ssh = _ssh_settings(_record(cluster))
     return ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address, command]
 
 
-def _run_on(state: ClusterState, node: Node, command: str, timeout: float | None,
+def _run_on(record: ClusterRecord, node: Node, command: str, timeout: float | None,
             check: bool) -> subprocess.CompletedProcess:
-    argv = ssh_argv(state, node, command)
+    argv = ssh_argv(record, node, command)
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
                                 stdin=subprocess.DEVNULL)
@@ -99,13 +131,14 @@ def _run_on(state: ClusterState, node: Node, command: str, timeout: float | None
     return result
 
 
-def run(state: ClusterState, rank: int, command: str, *, timeout: float | None = None,
+def run(cluster: ClusterNodes, rank: int, command: str, *, timeout: float | None = None,
         check: bool = True) -> subprocess.CompletedProcess:
     """Run a shell command on one node; output captured as text. A timeout returns exit 124."""
-    return _run_on(state, node_by_rank(state, rank), command, timeout, check)
+    record = _record(cluster)
+    return _run_on(record, node_by_rank(record, rank), command, timeout, check)
 
 
-def run_all(state: ClusterState, command: str, *, ranks: list[int] | None = None,
+def run_all(cluster: ClusterNodes, command: str, *, ranks: list[int] | None = None,
             timeout: float | None = None, check: bool = True,
             on_result: Callable[[int, subprocess.CompletedProcess], None] | None = None,
             ) -> dict[int, subprocess.CompletedProcess]:
@@ -114,12 +147,13 @@ def run_all(state: ClusterState, command: str, *, ranks: list[int] | None = None
     `on_result(rank, result)` is called as each node finishes (progress for long commands). With
     check=True every node still runs to completion; then the first failure (lowest rank) is raised.
     """
-    nodes = cluster_nodes(state) if ranks is None else [node_by_rank(state, r) for r in ranks]
+    record = _record(cluster)
+    nodes = cluster_nodes(record) if ranks is None else [node_by_rank(record, r) for r in ranks]
     if not nodes:
-        raise UsageError(f"cluster {state.name} has no nodes to run on (all excluded, or not up)")
+        raise UsageError(f"cluster {record.name} has no nodes to run on (all excluded, or not up)")
     results: dict[int, subprocess.CompletedProcess] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
-        futures = {pool.submit(_run_on, state, n, command, timeout, False): n.rank for n in nodes}
+        futures = {pool.submit(_run_on, record, n, command, timeout, False): n.rank for n in nodes}
         for future in as_completed(futures):
             results[futures[future]] = future.result()
             if on_result is not None:
@@ -131,12 +165,13 @@ def run_all(state: ClusterState, command: str, *, ranks: list[int] | None = None
     return results
 
 
-def popen(state: ClusterState, rank: int, command: str, **popen_kwargs: Any) -> subprocess.Popen:
+def popen(cluster: ClusterNodes, rank: int, command: str, **popen_kwargs: Any) -> subprocess.Popen:
     """Start a command on a node and return at once (long runs: training, benchmarks)."""
-    return subprocess.Popen(ssh_argv(state, node_by_rank(state, rank), command), **popen_kwargs)
+    record = _record(cluster)
+    return subprocess.Popen(ssh_argv(record, node_by_rank(record, rank), command), **popen_kwargs)
 
 
-def copy_to(state: ClusterState, rank: int, local_path: str | Path, remote_path: str) -> None:
+def copy_to(cluster: ClusterNodes, rank: int, local_path: str | Path, remote_path: str) -> None:
     """Copy a file or a directory tree to `remote_path` on a node (created, parents included).
 
     Streams a tar archive over the SSH connection, so it needs nothing but tar on the node.
@@ -144,7 +179,8 @@ def copy_to(state: ClusterState, rank: int, local_path: str | Path, remote_path:
     local_path = Path(local_path)
     if not local_path.exists():
         raise CommandError(f"cannot copy {local_path} to node rank {rank}: it does not exist")
-    node = node_by_rank(state, rank)
+    record = _record(cluster)
+    node = node_by_rank(record, rank)
     target = shlex.quote(remote_path)
     if local_path.is_dir():
         command = f"mkdir -p {target} && tar -x -f - -C {target} --no-same-owner"
@@ -152,7 +188,7 @@ def copy_to(state: ClusterState, rank: int, local_path: str | Path, remote_path:
         command = (f"mkdir -p \"$(dirname {target})\" && tmp=$(mktemp {target}.XXXXXX) && "
                    f"tar -x -O -f - > \"$tmp\" && chmod {local_path.stat().st_mode & 0o7777:o} \"$tmp\" && "
                    f"mv \"$tmp\" {target}")
-    proc = subprocess.Popen(ssh_argv(state, node, command), stdin=subprocess.PIPE,
+    proc = subprocess.Popen(ssh_argv(record, node, command), stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdin is not None
     try:
@@ -192,9 +228,9 @@ def cmd_ssh(args: Namespace) -> int:
             else:
                 raise UsageError(f"fsdpctl ssh: unknown option {option!r} before `--`; the form is "
                                  "`fsdpctl ssh [--cluster NAME] RANK -- CMD`")
-    state = state_mod.resolve(args.cluster)
-    node = node_by_rank(state, args.rank)
-    argv = ssh_argv(state, node, " ".join(words))
+    _state, record, _spec = resolve_cluster(args.cluster)
+    node = node_by_rank(record, args.rank)
+    argv = ssh_argv(record, node, " ".join(words))
     if not words:  # an interactive login: no command, and a terminal when we have one
         argv = [argv[0], *(["-t"] if sys.stdin.isatty() else []), *argv[1:-1]]
     sys.stdout.flush()

@@ -40,7 +40,8 @@ from fsdpctl.checks.context import nproc_per_node
 from fsdpctl.deploy import deployed_venv
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.scripts import render_script
-from fsdpctl.state import ClusterState
+from fsdpctl.state import ClusterRecord
+from infra.spec import ClusterSpec
 
 REQUEUE_EXIT = 75
 """The batch script's exit status for "requeue me"; the slurm role's `slurm_requeue_exit` (RequeueExit)."""
@@ -159,32 +160,32 @@ class NodeState:
         return self.state in IN_SERVICE
 
 
-def slurm_rank(state: ClusterState) -> int:
+def slurm_rank(record: ClusterRecord) -> int:
     """The node the Slurm commands run on: the first non-excluded node (every node has the client)."""
-    nodes = remote.cluster_nodes(state)
+    nodes = remote.cluster_nodes(record)
     if not nodes:
-        raise UsageError(f"cluster {state.name} has no (non-excluded) nodes: run `fsdpctl up` first")
+        raise UsageError(f"cluster {record.name} has no (non-excluded) nodes: run `fsdpctl up` first")
     return nodes[0].rank
 
 
-def run_slurm(state: ClusterState, command: str, *, check: bool = True, timeout: float = SLURM_TIMEOUT_S):
+def run_slurm(record: ClusterRecord, command: str, *, check: bool = True, timeout: float = SLURM_TIMEOUT_S):
     """A Slurm (or any) command on the cluster's first node; a missing Slurm says how to install it."""
-    result = remote.run(state, slurm_rank(state), command, timeout=timeout, check=False)
+    result = remote.run(record, slurm_rank(record), command, timeout=timeout, check=False)
     if result.returncode == 127 or "command not found" in (result.stderr or ""):
-        raise CommandError(f"Slurm is not installed on cluster {state.name}: run "
+        raise CommandError(f"Slurm is not installed on cluster {record.name}: run "
                            "`fsdpctl configure --tags slurm` first (docs/slurm.md)")
     if check and result.returncode:
         output = (result.stderr or result.stdout).strip()[-800:]
-        raise CommandError(f"`{command}` on cluster {state.name} exited {result.returncode}: {output}. Is "
+        raise CommandError(f"`{command}` on cluster {record.name} exited {result.returncode}: {output}. Is "
                            "Slurm configured (`fsdpctl configure --tags slurm`; `fsdpctl ssh 0 -- sinfo`)?")
     return result
 
 
-def slurm_status(state: ClusterState) -> tuple[bool, str]:
+def slurm_status(record: ClusterRecord) -> tuple[bool, str]:
     """(whether slurmctld answers, why not): the reason is empty where Slurm is not installed at all
     (a cluster configured without the slurm role), and says what `scontrol ping` saw otherwise."""
     try:
-        result = remote.run(state, slurm_rank(state), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
+        result = remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
     except UsageError:
         return False, ""
     if result.returncode == 0 and " is UP" in result.stdout:
@@ -196,15 +197,15 @@ def slurm_status(state: ClusterState) -> tuple[bool, str]:
     return False, f"slurmctld does not answer (`scontrol ping`: {last})"
 
 
-def slurm_configured(state: ClusterState) -> bool:
+def slurm_configured(record: ClusterRecord) -> bool:
     """Whether slurmctld answers (the smoke checks then run as Slurm jobs)."""
-    return slurm_status(state)[0]
+    return slurm_status(record)[0]
 
 
-def jobs_root(state: ClusterState) -> str:
-    shared = state.read().shared_dir
+def jobs_root(record: ClusterRecord) -> str:
+    shared = record.shared_dir
     if not shared:
-        raise UsageError(f"cluster {state.name} has no shared file system: Slurm jobs keep their script, "
+        raise UsageError(f"cluster {record.name} has no shared file system: Slurm jobs keep their script, "
                          "logs and checkpoints on it. Enable storage.fsx in the spec (the local target "
                          "always has /shared)")
     return f"{shared}/{JOBS_DIR}"
@@ -245,20 +246,19 @@ def validate_request(*, config: str | None, command: str | None, name: str | Non
                              "--set optim.lr=1e-3")
 
 
-def submit(state: ClusterState, config: str | None, *, command: str | None = None, nodes: int | None = None,
-           steps: int | None = None, overrides: list[str] | None = None, name: str | None = None,
-           checkpoint_interval: int | None = None, env: dict[str, str] | None = None,
+def submit(record: ClusterRecord, spec: ClusterSpec, config: str | None, *, command: str | None = None,
+           nodes: int | None = None, steps: int | None = None, overrides: list[str] | None = None,
+           name: str | None = None, checkpoint_interval: int | None = None, env: dict[str, str] | None = None,
            max_requeues: int = MAX_REQUEUES) -> tuple[int, TrainJob]:
     """Write the job's directory and batch script on the shared file system and sbatch it; returns
     the Slurm job id and the job. The job runs the trainer with `config`, or `command`: a command
     line, or a local script (copied into the job's directory; a `.py` file runs under the job's
     torchrun, anything else with bash)."""
     overrides = list(overrides or [])
-    available = len(remote.cluster_nodes(state))
+    available = len(remote.cluster_nodes(record))
     validate_request(config=config, command=command, name=name, nodes=nodes, steps=steps, overrides=overrides,
                      available=available, checkpoint_interval=checkpoint_interval)
-    spec = state.spec()
-    venv = deployed_venv(state)
+    venv = deployed_venv(record)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     local_file = Path(config if config is not None else str(command).strip())
     # os.path: a command line longer than a file name is not one (Path.is_file raises for it)
@@ -268,9 +268,9 @@ def submit(state: ClusterState, config: str | None, *, command: str | None = Non
     else:
         default_name = local_file.stem if is_script else "command"
     name = name or f"{default_name}-{stamp}"
-    job_dir = f"{jobs_root(state)}/{name}"
-    rank = slurm_rank(state)
-    exists = remote.run(state, rank, f"test -e {shlex.quote(job_dir)}", timeout=SLURM_TIMEOUT_S, check=False)
+    job_dir = f"{jobs_root(record)}/{name}"
+    rank = slurm_rank(record)
+    exists = remote.run(record, rank, f"test -e {shlex.quote(job_dir)}", timeout=SLURM_TIMEOUT_S, check=False)
     if exists.returncode == 0:
         raise UsageError(f"a job named {name} already exists ({job_dir}); pick another --name")
     module_args = None
@@ -278,50 +278,50 @@ def submit(state: ClusterState, config: str | None, *, command: str | None = Non
         if not local_file.is_file():
             raise UsageError(f"trainer config {config}: no such file; give a YAML file or a shipped config "
                              "name (tiny, smoke, gpt-1b, ...)")
-        remote.copy_to(state, rank, local_file, f"{job_dir}/config.yaml")
+        remote.copy_to(record, rank, local_file, f"{job_dir}/config.yaml")
         config = f"{job_dir}/config.yaml"
     elif is_script:
         script = f"{job_dir}/{local_file.name}"
-        remote.copy_to(state, rank, local_file, script)
+        remote.copy_to(record, rank, local_file, script)
         if local_file.suffix == ".py":
             module_args, command = [script], None
         else:
             command = f"bash {shlex.quote(script)}"
     job = TrainJob(name=name, job_dir=job_dir, config=config or "", nodes=nodes or available,
-                   nproc=nproc_per_node(state, spec), gpus=_gpus_per_node(state), venv=venv,
+                   nproc=nproc_per_node(record, spec), gpus=_gpus_per_node(record, spec), venv=venv,
                    port=spec.trainer.master_port, steps=steps, checkpoint_interval=checkpoint_interval,
                    overrides=overrides, env=env or {}, max_requeues=max_requeues, module_args=module_args,
                    command=command)
-    return submit_job(state, job), job
+    return submit_job(record, job), job
 
 
-def _gpus_per_node(state: ClusterState) -> int:
+def _gpus_per_node(record: ClusterRecord, spec: ClusterSpec) -> int:
     """GPUs a job asks for per node (--gres): the instance type's; local nodes have none."""
-    return 0 if state.read().target == "local" else state.spec().instance.gpus
+    return 0 if record.target == "local" else spec.instance.gpus
 
 
-def submit_job(state: ClusterState, job: TrainJob) -> int:
+def submit_job(record: ClusterRecord, job: TrainJob) -> int:
     """Write the job's batch script into its directory and sbatch it; returns the Slurm job id."""
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "job.sbatch"
         script.write_text(render_batch_script(job))
         script.chmod(0o755)
-        remote.copy_to(state, slurm_rank(state), script, job.script_path)
-    result = run_slurm(state, f"sbatch --parsable {shlex.quote(job.script_path)}")
+        remote.copy_to(record, slurm_rank(record), script, job.script_path)
+    result = run_slurm(record, f"sbatch --parsable {shlex.quote(job.script_path)}")
     job_id = int(result.stdout.strip().split(";")[0])
-    record = {"job_id": job_id, "name": job.name, "job_dir": job.job_dir, "config": job.config,
-              "command": job.command, "program": job.module_args, "nodes": job.nodes,
-              "nproc_per_node": job.nproc, "steps": job.steps, "overrides": job.overrides,
-              "submitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
-    run_slurm(state, f"echo {shlex.quote(json.dumps(record))} > {shlex.quote(job.job_dir)}/job.json")
+    asked = {"job_id": job_id, "name": job.name, "job_dir": job.job_dir, "config": job.config,
+             "command": job.command, "program": job.module_args, "nodes": job.nodes,
+             "nproc_per_node": job.nproc, "steps": job.steps, "overrides": job.overrides,
+             "submitted_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
+    run_slurm(record, f"echo {shlex.quote(json.dumps(asked))} > {shlex.quote(job.job_dir)}/job.json")
     return job_id
 
 
-def list_jobs(state: ClusterState) -> list[JobRow]:
+def list_jobs(record: ClusterRecord) -> list[JobRow]:
     """Every job `fsdpctl train` submitted on the cluster, oldest first: Slurm state, nodes, last step,
     loss and tokens/s (from its metrics file)."""
-    root = jobs_root(state)
-    result = run_slurm(state, render_script("templates/slurm_jobs_probe.sh.j2", root=root), timeout=60)
+    root = jobs_root(record)
+    result = run_slurm(record, render_script("templates/slurm_jobs_probe.sh.j2", root=root), timeout=60)
     rows = []
     for job in json.loads(result.stdout or "[]"):
         slurm, status, last = job.get("slurm") or {}, job.get("status") or [], job.get("last") or {}
@@ -335,35 +335,35 @@ def list_jobs(state: ClusterState) -> list[JobRow]:
     return sorted(rows, key=lambda r: r.job_id)
 
 
-def find_job(state: ClusterState, job_id: int) -> JobRow:
-    for job in list_jobs(state):
+def find_job(record: ClusterRecord, job_id: int) -> JobRow:
+    for job in list_jobs(record):
         if job.job_id == job_id:
             return job
-    raise UsageError(f"cluster {state.name} has no job {job_id} submitted by `fsdpctl train`; "
+    raise UsageError(f"cluster {record.name} has no job {job_id} submitted by `fsdpctl train`; "
                      "`fsdpctl jobs` lists them")
 
 
-def job_state(state: ClusterState, job_id: int) -> str | None:
+def job_state(record: ClusterRecord, job_id: int) -> str | None:
     """The job's Slurm state (PENDING, RUNNING, COMPLETED, ...), None once slurmctld forgot it."""
-    result = run_slurm(state, f"squeue --noheader --states=all --jobs {job_id} --format %T", check=False)
+    result = run_slurm(record, f"squeue --noheader --states=all --jobs {job_id} --format %T", check=False)
     words = result.stdout.split()
     return words[0] if result.returncode == 0 and words else None
 
 
-def cancel(state: ClusterState, job_id: int) -> None:
-    find_job(state, job_id)
-    run_slurm(state, f"scancel {job_id}")
+def cancel(record: ClusterRecord, job_id: int) -> None:
+    find_job(record, job_id)
+    run_slurm(record, f"scancel {job_id}")
 
 
-def drain(state: ClusterState, node_name: str, reason: str) -> None:
+def drain(record: ClusterRecord, node_name: str, reason: str) -> None:
     """Take a node out of scheduling (running jobs finish; none start)."""
-    run_slurm(state, f"scontrol update nodename={shlex.quote(node_name)} state=DRAIN "
+    run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=DRAIN "
               f"reason={shlex.quote(reason)}")
 
 
-def resume(state: ClusterState, node_name: str) -> None:
+def resume(record: ClusterRecord, node_name: str) -> None:
     """Return a node to service (after `fsdpctl replace`)."""
-    result = run_slurm(state, f"scontrol update nodename={shlex.quote(node_name)} state=RESUME", check=False)
+    result = run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=RESUME", check=False)
     # A node that is not drained or down is already in service: nothing to undo.
     if result.returncode and "Invalid node state specified" not in result.stderr:
         raise CommandError(f"returning {node_name} to service in Slurm failed: {result.stderr.strip()}")
@@ -381,10 +381,10 @@ def parse_node_states(sinfo_output: str) -> dict[str, NodeState]:
     return nodes
 
 
-def node_states(state: ClusterState) -> dict[str, NodeState] | None:
+def node_states(record: ClusterRecord) -> dict[str, NodeState] | None:
     """Every node as Slurm sees it, by name; None where Slurm is not installed. A CommandError where
     slurmctld does not answer."""
-    result = remote.run(state, slurm_rank(state), "sinfo --noheader --Node --format '%N|%T|%E'",
+    result = remote.run(record, slurm_rank(record), "sinfo --noheader --Node --format '%N|%T|%E'",
                         timeout=SLURM_TIMEOUT_S, check=False)
     if result.returncode == 127:
         return None
@@ -403,16 +403,16 @@ class SlurmJob:
     """A trainer run as a Slurm batch job, with the interface of checks.torchrun.TorchrunJob (the
     smoke checks run either): exit codes by rank, worker pids and kills on one node, a failure text."""
 
-    def __init__(self, state: ClusterState, ranks: list[int], module_args: list[str], *, nproc: int,
-                 port: int, log_dir: Path, name: str, work_dir: str, env: dict[str, str] | None = None,
-                 max_requeues: int = MAX_REQUEUES):
-        self.state, self.ranks, self.name, self.log_dir = state, ranks, name, log_dir
+    def __init__(self, record: ClusterRecord, spec: ClusterSpec, ranks: list[int], module_args: list[str], *,
+                 nproc: int, port: int, log_dir: Path, name: str, work_dir: str,
+                 env: dict[str, str] | None = None, max_requeues: int = MAX_REQUEUES):
+        self.record, self.ranks, self.name, self.log_dir = record, ranks, name, log_dir
         self.job = TrainJob(name=name, job_dir=f"{work_dir}/{name}-job", config="", nodes=len(ranks),
-                            nproc=nproc, gpus=_gpus_per_node(state),
-                            venv=deployed_venv(state), port=port, env=env or {}, max_requeues=max_requeues,
+                            nproc=nproc, gpus=_gpus_per_node(record, spec),
+                            venv=deployed_venv(record), port=port, env=env or {}, max_requeues=max_requeues,
                             module_args=module_args)
-        run_slurm(state, f"mkdir -p {shlex.quote(self.job.job_dir)}")
-        self.job_id = submit_job(state, self.job)
+        run_slurm(record, f"mkdir -p {shlex.quote(self.job.job_dir)}")
+        self.job_id = submit_job(record, self.job)
         self.agent_file = f"/tmp/fsdp-job-{self.job_id}.agent"
 
     @property
@@ -420,7 +420,7 @@ class SlurmJob:
         return f"{self.job.job_dir}/slurm-{self.job_id}.out"
 
     def poll(self) -> dict[int, int | None]:
-        state = job_state(self.state, self.job_id)
+        state = job_state(self.record, self.job_id)
         code = None if state not in FINISHED else (0 if state == "COMPLETED" else 1)
         return {rank: code for rank in self.ranks}
 
@@ -437,24 +437,24 @@ class SlurmJob:
         return {rank: remote.TIMEOUT_RC for rank in self.ranks}
 
     def _node_name(self, rank: int) -> str:
-        return remote.node_by_rank(self.state, rank).name
+        return remote.node_by_rank(self.record, rank).name
 
     def worker_pids(self, rank: int) -> set[int]:
-        proc = remote.run(self.state, rank, f"pgrep -P $(cat {self.agent_file} 2>/dev/null) 2>/dev/null",
+        proc = remote.run(self.record, rank, f"pgrep -P $(cat {self.agent_file} 2>/dev/null) 2>/dev/null",
                           timeout=SLURM_TIMEOUT_S, check=False)
         return {int(p) for p in proc.stdout.split() if p.isdigit()}
 
     def kill_workers(self, rank: int) -> set[int]:
-        proc = remote.run(self.state, rank, f"pids=$(pgrep -P $(cat {self.agent_file})) && kill -KILL $pids "
+        proc = remote.run(self.record, rank, f"pids=$(pgrep -P $(cat {self.agent_file})) && kill -KILL $pids "
                           "&& echo $pids", timeout=SLURM_TIMEOUT_S)
         return {int(p) for p in proc.stdout.split() if p.isdigit()}
 
     def stop(self) -> None:
-        run_slurm(self.state, f"scancel {self.job_id}", check=False)
+        run_slurm(self.record, f"scancel {self.job_id}", check=False)
 
     def _keep_log(self) -> None:
         """A copy of Slurm's output of the job in the check's run directory."""
-        result = run_slurm(self.state, f"cat {shlex.quote(self.log_path)}", check=False)
+        result = run_slurm(self.record, f"cat {shlex.quote(self.log_path)}", check=False)
         self._kept_log.write_text(result.stdout or "")
 
     @property
@@ -472,6 +472,6 @@ class SlurmJob:
         if all(c == 0 for c in codes.values()):
             return None
         what = "timed out" if remote.TIMEOUT_RC in codes.values() else \
-            f"ended {job_state(self.state, self.job_id) or 'unsuccessfully'}"
+            f"ended {job_state(self.record, self.job_id) or 'unsuccessfully'}"
         return (f"Slurm job {self.job_id} {what} (log {self._kept_log}, {self.log_path} on the nodes):\n"
                 + self.log_tail())

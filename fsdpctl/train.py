@@ -8,10 +8,9 @@ from argparse import Namespace
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdpctl import slurm
+from fsdpctl import remote, slurm
 from fsdpctl.console import say
 from fsdpctl.slurm import TrainJob
-from fsdpctl.state import resolve
 
 
 @dataclass(frozen=True)
@@ -29,8 +28,8 @@ def train(cluster: str | None = None, config: str | None = None, *, command: str
     KEY=VALUE), or of `command` (a command line or a local script), to the cluster's Slurm as a
     requeueable job on `nodes` nodes (default: every usable one); bad input is refused before
     anything is submitted."""
-    state = resolve(cluster)
-    job_id, job = slurm.submit(state, config, command=command, nodes=nodes, steps=steps,
+    _state, record, spec = remote.resolve_cluster(cluster)
+    job_id, job = slurm.submit(record, spec, config, command=command, nodes=nodes, steps=steps,
                                overrides=list(overrides), name=name, checkpoint_interval=checkpoint_interval)
     if job.command is None and job.module_args is None:
         say(f"submitted job {job_id} ({job.name}) on {job.nodes} node(s) x {job.nproc} process(es); its "

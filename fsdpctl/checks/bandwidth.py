@@ -112,7 +112,7 @@ def _torch_bandwidth(ctx: CheckContext) -> tuple[AllReduceMeasurement | None, st
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
         return None, f"benchmark failed: {failure}"
-    data = read_remote_model(ctx.state, ctx.ranks[0], output, AllReduceMeasurement)
+    data = read_remote_model(ctx.record, ctx.ranks[0], output, AllReduceMeasurement)
     if not data:
         return None, f"benchmark wrote no result to {output} on node {ctx.ranks[0]}"
     return data, None
@@ -120,11 +120,11 @@ def _torch_bandwidth(ctx: CheckContext) -> tuple[AllReduceMeasurement | None, st
 
 def _nccl_tests_bandwidth(ctx: CheckContext) -> tuple[AllReduceMeasurement | None, str | None]:
     """all_reduce_perf through mpirun from the first node, one rank per GPU on every node."""
-    addresses = {n.rank: n.address for n in remote.cluster_nodes(ctx.state)}
+    addresses = {n.rank: n.address for n in remote.cluster_nodes(ctx.record)}
     gpus = ctx.spec.instance.gpus
     command = nccl_tests.mpirun_command([addresses[r] for r in ctx.ranks], gpus)
     log = ctx.run_dir / "nccl-tests.log"
-    proc = remote.run(ctx.state, ctx.ranks[0], command, timeout=RUN_TIMEOUT_S, check=False)
+    proc = remote.run(ctx.record, ctx.ranks[0], command, timeout=RUN_TIMEOUT_S, check=False)
     log.write_text(f"$ {command}\n{proc.stdout}{proc.stderr}")
     if proc.returncode != 0:
         what = "timed out" if proc.returncode == remote.TIMEOUT_RC else f"exited {proc.returncode}"
@@ -140,7 +140,7 @@ def _nccl_tests_bandwidth(ctx: CheckContext) -> tuple[AllReduceMeasurement | Non
 def check_bandwidth(ctx: CheckContext) -> BandwidthResult:
     note, torch_detail = "", None
     if ctx.on_gpu:
-        probe = remote.run(ctx.state, ctx.ranks[0], f"test -x {nccl_tests.ALL_REDUCE_PERF}",
+        probe = remote.run(ctx.record, ctx.ranks[0], f"test -x {nccl_tests.ALL_REDUCE_PERF}",
                            timeout=NODE_TIMEOUT_S, check=False)
         if probe.returncode == 0:
             data, failure = _nccl_tests_bandwidth(ctx)

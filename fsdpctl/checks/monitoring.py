@@ -220,7 +220,7 @@ def check_monitoring(ctx: CheckContext, training: TrainingRun | None) -> Monitor
         return MonitoringResult(status="skip",
                                 summary="not run: the fsdp check did not train (no time window)")
     try:
-        with Prometheus(ctx.state) as prom:
+        with Prometheus(ctx.record) as prom:
             details, series = _gather(ctx, prom, training)
     except PrometheusError as e:
         return MonitoringResult(status="fail", summary=str(e))
@@ -271,13 +271,13 @@ def _gather(ctx: CheckContext, prom: Prometheus, training: TrainingRun
         gpu = GpuUtilisation(status="skip", reason="no GPUs on this target (local nodes)")
     else:
         util = rng('DCGM_FI_DEV_GPU_UTIL{job="dcgm"}')
-        expected = [f"{n.name}/gpu{i}" for n in remote.cluster_nodes(ctx.state) if n.rank in ctx.ranks
+        expected = [f"{n.name}/gpu{i}" for n in remote.cluster_nodes(ctx.record) if n.rank in ctx.ranks
                     for i in range(ctx.spec.instance.gpus)]
         gpu = gpu_utilisation(util, expected, since=start + (end - start) * WARMUP_FRACTION)
         gpu_series = _by_label(util, "node")
 
     # Network: kernel interfaces plus EFA, per direction, against the link.
-    catalog_link = link_capacity_bps(ctx.state)
+    catalog_link = link_capacity_bps(ctx.record, ctx.spec)
     link = {r["metric"].get("node"): float(r["value"][1]) * 8
             for r in prom.query('max by (node) (node_network_speed_bytes{device!="lo"})', at=end)}
     series: dict[str, dict[str, Points]] = {}

@@ -64,14 +64,14 @@ def _device_count(raw: str, node: str, want: int, label: str, installer: str, in
 
 
 def check_inventory(ctx: CheckContext) -> InventoryResult:
-    nodes = {n.rank: n for n in remote.cluster_nodes(ctx.state)}
+    nodes = {n.rank: n for n in remote.cluster_nodes(ctx.record)}
     expected_mtu = ctx.spec.network.mtu
     instance = ctx.spec.instance
-    local = ctx.state.read().target == "local"
+    local = ctx.record.target == "local"
     problems: list[str] = []
     per_node: dict[int, NodeInventory] = {}
     with ThreadPoolExecutor(max_workers=min(32, len(ctx.ranks))) as pool:
-        futures = {r: pool.submit(remote.run, ctx.state, r, _inventory_probe(nodes[r].address),
+        futures = {r: pool.submit(remote.run, ctx.record, r, _inventory_probe(nodes[r].address),
                                   timeout=NODE_TIMEOUT_S, check=False) for r in ctx.ranks}
         answers = {r: f.result() for r, f in futures.items()}
     for rank, proc in sorted(answers.items()):

@@ -30,7 +30,8 @@ from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_metrics
 from fsdpctl.console import say, stage
 from fsdpctl.deploy import DeployError
 from fsdpctl.errors import CommandError, UsageError
-from fsdpctl.state import ClusterState, resolve
+from fsdpctl.state import ClusterRecord, ClusterState
+from infra.spec import ClusterSpec
 
 WARMUP_STEPS = 2
 # Sequences per rank per micro-batch in weak scaling, and the least per rank at the largest size in
@@ -129,7 +130,7 @@ def _run(ctx: CheckContext, mode: str, k: int, steps: int, overrides: dict[str, 
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
     if failure:
         raise CheckError(f"{mode} scaling run on {k} node(s) failed: {failure}")
-    lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
+    lines = read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps
     timed = lines[WARMUP_STEPS:]
     if not timed:
         raise CheckError(f"{mode} scaling run on {k} node(s) logged {len(lines)} steps; need more than "
@@ -183,26 +184,28 @@ def _sweep(ctx: CheckContext, mode: str, counts: list[int], steps: int,
     return ScalingMode(runs=runs, efficiency={str(k): e for k, e in eff.items()})
 
 
-def run_scaling(state: ClusterState, *, steps: int = 20) -> tuple[ScalingResult, list[Path]]:
-    """The strong and weak sweeps, written to scaling.json (and scaling.png) in the run's directory;
-    returns the result and the files written."""
+def run_scaling(state: ClusterState, record: ClusterRecord, spec: ClusterSpec, *, steps: int = 20
+                ) -> tuple[ScalingResult, list[Path]]:
+    """The strong and weak sweeps on the nodes of `record` (the cluster's record and `spec` its spec, as
+    the command read them), written to scaling.json (and scaling.png) in the run's directory; returns
+    the result and the files written."""
     plots = plots_available()
     if not plots:
         _log(f"note: {PLOTS_MISSING}")
-    ctx = check_context(state, "scale-test", steps=steps, out=_log)
+    ctx = check_context(state, record, spec, "scale-test", steps=steps, out=_log)
     inventory = check_inventory(ctx)
     if inventory.status == "fail":
         raise CheckError(inventory.summary)
     ctx = replace(ctx, interfaces=inventory.interfaces)
     counts = node_counts(len(ctx.ranks))
-    remote.run_all(state, f"mkdir -p {ctx.work_dir}", timeout=30)
+    remote.run_all(record, f"mkdir -p {ctx.work_dir}", timeout=30)
     global_batch = strong_global_batch(counts, ctx.nproc)
     measured_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     try:
         strong = _sweep(ctx, "strong", counts, steps, lambda ranks: strong_settings(global_batch, ranks))
         weak = _sweep(ctx, "weak", counts, steps, weak_settings)
     finally:
-        remote.run_all(state, f"rm -rf {ctx.work_dir}", timeout=60, check=False)
+        remote.run_all(record, f"rm -rf {ctx.work_dir}", timeout=60, check=False)
     result = ScalingResult(cluster=state.name, nproc_per_node=ctx.nproc, steps=steps,
                            warmup_steps=WARMUP_STEPS, node_counts=counts, measured_at=measured_at,
                            strong=strong, weak=weak)
@@ -216,15 +219,14 @@ def run_scaling(state: ClusterState, *, steps: int = 20) -> tuple[ScalingResult,
 
 
 def cmd_scale_test(args) -> int:
-    state = resolve(args.cluster)
     if args.steps <= WARMUP_STEPS:
         raise UsageError(f"--steps {args.steps} leaves nothing to measure after {WARMUP_STEPS} warm-up "
                            "steps; use e.g. --steps 20")
     try:
-        with state.operation("scale-test"):
-            result, paths = run_scaling(state, steps=args.steps)
+        with remote.cluster_operation(args.cluster, "scale-test") as (state, record, spec):
+            result, paths = run_scaling(state, record, spec, steps=args.steps)
     except (CheckError, DeployError) as e:
-        raise CommandError(f"scale test of cluster {state.name!r} failed: {e}\nFix the cause and rerun "
+        raise CommandError(f"scale test of cluster {record.name!r} failed: {e}\nFix the cause and rerun "
                            "`fsdpctl scale-test`.") from None
     say(f"{'mode':<7} {'nodes':>5} {'ranks':>5} {'tokens/s':>10} {'efficiency':>10}")
     for mode, sweep in (("strong", result.strong), ("weak", result.weak)):

@@ -52,16 +52,18 @@ from fsdpctl.console import Out, say, stage
 from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.slurm import slurm_status
-from fsdpctl.state import ClusterState, resolve
+from fsdpctl.state import ClusterRecord, ClusterState
+from infra.spec import ClusterSpec
 
 CHECKS: tuple[CheckName, ...] = get_args(CheckName)
 R = TypeVar("R", bound=CheckResult)
 
 
-def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int | None = None,
-              out: Out | None = None) -> SmokeReport:
-    """Run the checks and write the report into the run's directory under the cluster's reports
-    (kept after `fsdpctl down`); returns the report."""
+def run_smoke(state: ClusterState, record: ClusterRecord, spec: ClusterSpec, *, skip: list[str] | None = None,
+              steps: int | None = None, out: Out | None = None) -> SmokeReport:
+    """Run the checks on the nodes of `record` (the cluster's record and `spec` its spec, as the command
+    read them) and write the report into the run's directory under the cluster's reports (kept after
+    `fsdpctl down`); returns the report."""
     out = out or stage("smoke")
     unknown = sorted(set(skip or []) - set(CHECKS))
     if unknown:
@@ -69,17 +71,17 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
     plots = plots_available()
     if not plots:
         out(f"note: {PLOTS_MISSING}")
-    ctx = check_context(state, "smoke", steps=steps or 20, out=out)
-    slurm_up, slurm_problem = slurm_status(state)
+    ctx = check_context(state, record, spec, "smoke", steps=steps or 20, out=out)
+    slurm_up, slurm_problem = slurm_status(record)
     ctx = replace(ctx, slurm=bool(ctx.shared) and slurm_up)
     if ctx.slurm:
         out("Slurm runs on the cluster: the fsdp and recovery checks run as Slurm jobs")
     elif slurm_problem:
         out(f"note: Slurm is installed but {slurm_problem}; the fsdp and recovery checks run under "
             "torchrun instead (`fsdpctl configure --tags slurm` starts it)")
-    record, work_dir = state.read(), ctx.work_dir
+    work_dir = ctx.work_dir
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    checks = _Checks(state, work_dir, skip or [], out)
+    checks = _Checks(record, work_dir, skip or [], out)
     inventory = checks.run("inventory", lambda: check_inventory(ctx))
     if inventory:  # later jobs bind gloo to the interface carrying each node's cluster address
         ctx = replace(ctx, interfaces=inventory.interfaces)
@@ -92,7 +94,7 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
     entries = checks.entries
 
     report = SmokeReport(
-        cluster=state.name, target=record.target, instance_type=ctx.spec.instance_type, nodes=len(ctx.ranks),
+        cluster=state.name, target=record.target, instance_type=spec.instance_type, nodes=len(ctx.ranks),
         nproc_per_node=ctx.nproc, started_at=started, scheduler="slurm" if ctx.slurm else "torchrun",
         passed=all(e.status != "fail" for e in entries),
         failed=[e.name for e in entries if e.status == "fail"], checks=entries,
@@ -100,9 +102,9 @@ def run_smoke(state: ClusterState, *, skip: list[str] | None = None, steps: int 
         bandwidth_gate_gbps=bandwidth.details.gate_gbps if bandwidth and bandwidth.details else None,
         training=_training_report(fsdp, monitoring), logs=str(ctx.run_dir))
     write_report(ctx.run_dir, report, with_plots=plots)
-    state.update(last_report=str(ctx.run_dir))
+    recorded = state.update(last_report=str(ctx.run_dir))
     # Checkpoints of a smoke run are only evidence; the report keeps the figures.
-    remote.run_all(state, f"rm -rf {shlex.quote(work_dir)}", timeout=120, check=False)
+    remote.run_all(recorded, f"rm -rf {shlex.quote(work_dir)}", timeout=120, check=False)
     return report
 
 
@@ -110,8 +112,8 @@ class _Checks:
     """Runs the checks in order, each unless skipped on request or blocked by an earlier one, and
     keeps the report's line of each."""
 
-    def __init__(self, state: ClusterState, work_dir: str, skip: list[str], out: Out):
-        self.state, self.work_dir, self.skip, self.out = state, work_dir, skip, out
+    def __init__(self, record: ClusterRecord, work_dir: str, skip: list[str], out: Out):
+        self.record, self.work_dir, self.skip, self.out = record, work_dir, skip, out
         self.entries: list[CheckEntry] = []
         self.blocked: str | None = None
 
@@ -135,8 +137,8 @@ class _Checks:
         result: R | None = None
         try:
             if name != "inventory":
-                deployed_venv(self.state)
-                remote.run_all(self.state, f"mkdir -p {shlex.quote(self.work_dir)}", timeout=NODE_TIMEOUT_S)
+                deployed_venv(self.record)
+                remote.run_all(self.record, f"mkdir -p {shlex.quote(self.work_dir)}", timeout=NODE_TIMEOUT_S)
             result = check()
             line: CheckResult = result
         except (DeployError, CheckError, remote.RemoteCommandFailed) as e:
@@ -166,12 +168,11 @@ def smoke(cluster: str | None = None, *, skip: list[str] | None = None, steps: i
     """`fsdpctl smoke`: the checks on the cluster's nodes (default: the cluster brought up last), the
     pass/fail table printed, the report returned. CommandError when a check failed (the report is
     written all the same) or the checks could not run."""
-    state = resolve(cluster)
     try:
-        with state.operation("smoke"):
-            report = run_smoke(state, skip=skip, steps=steps)
+        with remote.cluster_operation(cluster, "smoke") as (state, record, spec):
+            report = run_smoke(state, record, spec, skip=skip, steps=steps)
     except CheckError as e:
-        raise CommandError(f"smoke test of cluster {state.name!r} could not run: {e}") from None
+        raise CommandError(f"smoke test of cluster {record.name!r} could not run: {e}") from None
     say(check_table(report.checks))
     say(f"report: {report.html_path} (kept after `fsdpctl down`)")
     if report.failed:

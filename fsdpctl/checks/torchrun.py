@@ -16,7 +16,7 @@ from fsdpctl import remote
 from fsdpctl.checks.errors import CheckError
 from fsdpctl.deploy import deployed_venv
 from fsdpctl.scripts import render_script
-from fsdpctl.state import ClusterState
+from fsdpctl.state import ClusterRecord
 from trainer.records import MetricsFormatError, MetricsLog, parse_metrics
 
 M = TypeVar("M", bound=BaseModel)
@@ -34,15 +34,15 @@ class TorchrunJob:
     killed, by exact pid rather than by name.
     """
 
-    def __init__(self, state: ClusterState, ranks: list[int], module_args: list[str], *, nproc: int,
+    def __init__(self, record: ClusterRecord, ranks: list[int], module_args: list[str], *, nproc: int,
                  port: int, log_dir: Path, name: str, max_restarts: int = 0,
                  env: dict[str, str] | None = None, interfaces: dict[int, str] | None = None):
-        self.state, self.ranks, self.name = state, ranks, name
+        self.record, self.ranks, self.name = record, ranks, name
         self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.pidfile = f"/tmp/fsdp-{self.run_id}.pid"
         self.log_dir = log_dir
-        nodes = {n.rank: n for n in remote.cluster_nodes(state, include_excluded=True)}
-        venv = deployed_venv(state)
+        nodes = {n.rank: n for n in remote.cluster_nodes(record, include_excluded=True)}
+        venv = deployed_venv(record)
         head = nodes[ranks[0]].address
         self.procs: dict[int, subprocess.Popen] = {}
         self._logs = {}
@@ -64,7 +64,7 @@ class TorchrunJob:
                        + " ".join(shlex.quote(a) for a in argv))
             log = open(log_dir / f"{name}-node{rank}.log", "w")  # noqa: SIM115 - closed in wait()
             self._logs[rank] = log
-            self.procs[rank] = remote.popen(state, rank, command, stdout=log, stderr=subprocess.STDOUT,
+            self.procs[rank] = remote.popen(record, rank, command, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
 
     def poll(self) -> dict[int, int | None]:
@@ -89,20 +89,20 @@ class TorchrunJob:
 
     def worker_pids(self, rank: int) -> set[int]:
         """The pids of the training processes (the agent's children) on one node."""
-        proc = remote.run(self.state, rank, f"pgrep -P $(cat {self.pidfile})", timeout=NODE_TIMEOUT_S,
+        proc = remote.run(self.record, rank, f"pgrep -P $(cat {self.pidfile})", timeout=NODE_TIMEOUT_S,
                           check=False)
         return {int(p) for p in proc.stdout.split() if p.isdigit()}
 
     def kill_workers(self, rank: int) -> set[int]:
         """SIGKILL the training processes on one node (a crashed worker); returns their pids."""
-        proc = remote.run(self.state, rank, f"pids=$(pgrep -P $(cat {self.pidfile})) && kill -KILL $pids "
+        proc = remote.run(self.record, rank, f"pids=$(pgrep -P $(cat {self.pidfile})) && kill -KILL $pids "
                           "&& echo $pids", timeout=NODE_TIMEOUT_S)
         return {int(p) for p in proc.stdout.split() if p.isdigit()}
 
     def stop(self) -> None:
         """Stop every agent (it stops its workers) and the local ssh processes."""
         for rank in self.procs:
-            remote.run(self.state, rank, f"test -f {self.pidfile} && kill -TERM $(cat {self.pidfile}) "
+            remote.run(self.record, rank, f"test -f {self.pidfile} && kill -TERM $(cat {self.pidfile}) "
                        f"2>/dev/null; rm -f {self.pidfile}", timeout=NODE_TIMEOUT_S, check=False)
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -135,9 +135,9 @@ class TorchrunJob:
     def _unreachable_nodes(self) -> str:
         """A node that no longer answers is the likely cause of every other node's failure (its peers
         only see their collectives time out): name it first."""
-        answers = remote.run_all(self.state, "true", ranks=list(self.procs), timeout=NODE_TIMEOUT_S,
+        answers = remote.run_all(self.record, "true", ranks=list(self.procs), timeout=NODE_TIMEOUT_S,
                                  check=False)
-        nodes = {n.rank: n for n in remote.cluster_nodes(self.state, include_excluded=True)}
+        nodes = {n.rank: n for n in remote.cluster_nodes(self.record, include_excluded=True)}
         silent = [f"node {r} ({nodes[r].name}, {nodes[r].address})" for r, proc in sorted(answers.items())
                   if proc.returncode]
         if not silent:
@@ -150,21 +150,21 @@ LEFTOVER_JOBS = "/tmp/fsdp-*.pid"
 """The pid files of every TorchrunJob's agents (`TorchrunJob.pidfile`)."""
 
 
-def stop_leftover_jobs(state: ClusterState, ranks: list[int]) -> dict[int, list[str]]:
+def stop_leftover_jobs(record: ClusterRecord, ranks: list[int]) -> dict[int, list[str]]:
     """Stop the torchrun agents (and so their workers) that an earlier check left running: a SIGKILLed
     `fsdpctl smoke` cannot stop its job, whose agent still holds the rendezvous port. Only call it
     under the cluster's operation lock, when no other check can be running; returns the pid files
     found, by rank (an unreachable node is left to the inventory check to report)."""
     script = render_script("checks/templates/stop_leftover_jobs.sh.j2", pid_files=LEFTOVER_JOBS)
-    results = remote.run_all(state, script, ranks=ranks, timeout=NODE_TIMEOUT_S, check=False)
+    results = remote.run_all(record, script, ranks=ranks, timeout=NODE_TIMEOUT_S, check=False)
     return {rank: proc.stdout.split() for rank, proc in results.items()
             if proc.returncode == 0 and proc.stdout.strip()}
 
 
-def read_remote_metrics(state: ClusterState, rank: int, path: str) -> MetricsLog:
+def read_remote_metrics(record: ClusterRecord, rank: int, path: str) -> MetricsLog:
     """The trainer's metrics file on a node, as its records; empty while the run has written none.
     CheckError naming the node, the file and the line when a line is not one of the trainer's records."""
-    proc = remote.run(state, rank, f"cat {shlex.quote(path)} 2>/dev/null || true", timeout=NODE_TIMEOUT_S,
+    proc = remote.run(record, rank, f"cat {shlex.quote(path)} 2>/dev/null || true", timeout=NODE_TIMEOUT_S,
                       check=False)
     try:
         return parse_metrics(proc.stdout or "", source=f"node {rank}:{path}")
@@ -172,10 +172,10 @@ def read_remote_metrics(state: ClusterState, rank: int, path: str) -> MetricsLog
         raise CheckError(str(e)) from None
 
 
-def read_remote_model(state: ClusterState, rank: int, path: str, model: type[M]) -> M | None:
+def read_remote_model(record: ClusterRecord, rank: int, path: str, model: type[M]) -> M | None:
     """A JSON file a job wrote on a node, as `model`; None when the file is not there. CheckError
     naming the node and the file when it is there but not a `model`."""
-    proc = remote.run(state, rank, f"cat {shlex.quote(path)}", timeout=NODE_TIMEOUT_S, check=False)
+    proc = remote.run(record, rank, f"cat {shlex.quote(path)}", timeout=NODE_TIMEOUT_S, check=False)
     if proc.returncode != 0:
         return None
     try:

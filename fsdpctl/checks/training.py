@@ -132,8 +132,8 @@ def trainer_args(ctx: CheckContext, *, steps: int, checkpoint_dir: str | None, i
 def _list_checkpoints(ctx: CheckContext, checkpoint_dir: str) -> list[CheckpointListing]:
     """The checkpoints under `checkpoint_dir`, verified by the trainer on the first node; none when it
     cannot list them (the check then says no checkpoint was written)."""
-    venv = deployed_venv(ctx.state)
-    proc = remote.run(ctx.state, ctx.ranks[0], f"{venv}/bin/python -m trainer.checkpoint list --json "
+    venv = deployed_venv(ctx.record)
+    proc = remote.run(ctx.record, ctx.ranks[0], f"{venv}/bin/python -m trainer.checkpoint list --json "
                       f"{shlex.quote(checkpoint_dir)}", timeout=120, check=False)
     if proc.returncode != 0:
         return []
@@ -151,8 +151,9 @@ def _job(ctx: CheckContext, name: str, module_args: list[str], **kwargs: Any) ->
     if not ctx.slurm:
         return ctx.job(name, module_args, **kwargs)
     kwargs.pop("max_restarts", None)
-    return SlurmJob(ctx.state, ctx.ranks, module_args, nproc=ctx.nproc, port=ctx.spec.trainer.master_port,
-                    log_dir=ctx.run_dir, name=name, work_dir=ctx.work_dir, **kwargs)
+    return SlurmJob(ctx.record, ctx.spec, ctx.ranks, module_args, nproc=ctx.nproc,
+                    port=ctx.spec.trainer.master_port, log_dir=ctx.run_dir, name=name, work_dir=ctx.work_dir,
+                    **kwargs)
 
 
 def check_fsdp(ctx: CheckContext) -> FsdpResult:
@@ -169,7 +170,7 @@ def check_fsdp(ctx: CheckContext) -> FsdpResult:
     if failure:
         return FsdpResult(status="fail", summary=f"training run failed: {failure}",
                           training=TrainingRun(window=(started, time.time())))
-    log = read_remote_metrics(ctx.state, ctx.ranks[0], metrics)
+    log = read_remote_metrics(ctx.record, ctx.ranks[0], metrics)
     lines = log.steps
 
     def trained() -> TrainingRun:  # the window ends when the check's last run has
@@ -228,7 +229,7 @@ def check_fsdp(ctx: CheckContext) -> FsdpResult:
                                                    interval=interval, metrics=resumed_metrics,
                                                    resume="auto"))
         failure = job.failure(job.wait(RUN_TIMEOUT_S))
-        resumed = read_remote_metrics(ctx.state, ctx.ranks[0], resumed_metrics).steps
+        resumed = read_remote_metrics(ctx.record, ctx.ranks[0], resumed_metrics).steps
         latest = max(resumable)
         resume = ResumeFacts(from_step=latest, first_step=resumed[0].step if resumed else None,
                              last_step=resumed[-1].step if resumed else None)
@@ -282,7 +283,7 @@ def check_recovery(ctx: CheckContext) -> RecoveryResult:
         job.stop()
         return RecoveryResult(status="fail", summary=str(e))
     failure = job.failure(job.wait(RUN_TIMEOUT_S))
-    lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
+    lines = read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps
     details = timed.model_copy(update={"last_step": lines[-1].step if lines else None})
     if failure:
         return RecoveryResult(status="fail", summary=f"the run did not complete after the restart: {failure}",
@@ -308,7 +309,7 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
     requeued job's new workers resume from the checkpoint in the same way."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
-        lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
+        lines = read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps
         last_step = lines[-1].step if lines else 0
         if last_step > interval and last_step % interval:
             break
@@ -327,9 +328,9 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
         if lines_before_restart is None:
             if job.worker_pids(victim) - killed_pids:
                 restart_s = time.monotonic() - killed
-                lines_before_restart = len(read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps)
+                lines_before_restart = len(read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps)
         else:
-            lines = read_remote_metrics(ctx.state, ctx.ranks[0], metrics).steps
+            lines = read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps
             if len(lines) > lines_before_restart:
                 return RecoveryDetails(victim_node=victim, killed_after_step=last_step,
                                        resumed_at_step=lines[lines_before_restart].step,

@@ -95,7 +95,7 @@ def cluster_group_vars(tmp_path: Path, instance_type: str, **spec_overrides: Any
             "checkpoint_bucket": "rt-checkpoints",
         },
     )
-    return group_vars(state)
+    return group_vars(state.read(), state.spec())
 
 
 def node_variables(

@@ -176,7 +176,8 @@ def test_a_link_cut_mid_training_times_out_names_the_node_and_resumes_from_the_c
         home, cluster, fault, monkeypatch):
     monkeypatch.setenv("FSDPCTL_HOME", str(home))
     state = cluster_state(NAME)
-    ctx = replace(check_context(state, "link-cut", steps=60, out=print), interfaces={0: "eth0", 1: "eth0"})
+    ctx = replace(check_context(state, state.read(), state.spec(), "link-cut", steps=60, out=print),
+                  interfaces={0: "eth0", 1: "eth0"})
     checkpoints, metrics = f"{ctx.work_dir}/checkpoints", f"{ctx.work_dir}/metrics.jsonl"
     args = [*trainer_args(ctx, steps=60, checkpoint_dir=checkpoints, interval=2, metrics=metrics,
                           resume="auto"), "--set", f"distributed.timeout_s={COLLECTIVE_TIMEOUT_S}"]

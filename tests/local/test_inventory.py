@@ -52,7 +52,8 @@ def aws_state(tmp_path: Path):
 
 
 def test_local_inventory_has_nodes_ranks_and_contract_vars(home, tmp_path):
-    inventory = build_inventory(local_state(tmp_path))
+    state = local_state(tmp_path)
+    inventory = build_inventory(state.read(), state.spec())
     group = inventory["all"]["children"]["nodes"]
     assert list(group["hosts"]) == ["inv-local-node0", "inv-local-node1"]
     node1 = group["hosts"]["inv-local-node1"]
@@ -75,7 +76,8 @@ def test_local_inventory_has_nodes_ranks_and_contract_vars(home, tmp_path):
 
 
 def test_aws_inventory_goes_through_the_bastion_and_leaves_excluded_nodes_out(home, tmp_path):
-    inventory = build_inventory(aws_state(tmp_path))
+    state = aws_state(tmp_path)
+    inventory = build_inventory(state.read(), state.spec())
     group = inventory["all"]["children"]["nodes"]
     assert list(group["hosts"]) == ["inv-aws-node0", "inv-aws-node1"]
     args = group["hosts"]["inv-aws-node0"]["ansible_ssh_common_args"]
@@ -104,8 +106,9 @@ def test_ini_and_json_mean_the_same_to_ansible(home, tmp_path, make_state):
     state = make_state(tmp_path)
     ini = write_inventory(state)
     as_json = tmp_path / "inventory.json"
-    as_json.write_text(json.dumps(build_inventory(state)))
-    assert ini.read_text() == render_ini(build_inventory(state))
+    inventory = build_inventory(state.read(), state.spec())
+    as_json.write_text(json.dumps(inventory))
+    assert ini.read_text() == render_ini(inventory)
     bin_dir = Path(sys.executable).parent
 
     def ansible_view(path: Path) -> dict:
@@ -128,7 +131,7 @@ def test_inventory_of_a_cluster_without_nodes_is_a_clear_error(home, tmp_path):
     spec_path = spec_file(tmp_path, "inv-empty")
     state = state_mod.create(spec_path, state_mod.load_spec(spec_path), "local")
     with pytest.raises(CommandError, match="no nodes"):
-        build_inventory(state)
+        build_inventory(state.read(), state.spec())
 
 
 @pytest.mark.slow

@@ -93,7 +93,7 @@ def test_prometheus_on_node_0_has_every_node_exporter_up(state):
 def leak_run(state):
     """A 2-node run in which rank 1 leaks LEAK_MIB_PER_STEP per step (the trainer's fault-injection
     knob): the labels seen while it ran, the monitoring check over its window, the metric names."""
-    ctx = check_context(state, "monitor-test", steps=LEAK_STEPS)
+    ctx = check_context(state, state.read(), state.spec(), "monitor-test", steps=LEAK_STEPS)
     args = trainer_args(ctx, steps=LEAK_STEPS, checkpoint_dir=None, interval=1,
                         metrics=f"{ctx.work_dir}/leak-metrics.jsonl", resume="none")
     started = time.time()

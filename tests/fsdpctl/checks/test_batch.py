@@ -4,7 +4,6 @@ per node."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from fsdpctl.checks.scaling import (
     weak_settings,
 )
 from fsdpctl.checks.training import trainer_args
+from fsdpctl.state import ClusterRecord, ClusterState
 from infra.catalog import CATALOG
 from infra.spec import ClusterSpec
 from tests.infra.conftest import demo_data
@@ -30,19 +30,12 @@ LOCAL_RANKS_PER_NODE = range(1, 9)  # the spec's local.nproc_per_node limit
 LOCAL_NODE_COUNTS = range(1, 33)  # containers on one host; 2 in the demo
 
 
-@dataclass
-class _Record:
-    """The one field of a cluster's state that the ranks per node depend on."""
-
-    target: str
-
-    def read(self) -> _Record:
-        return self
-
-
 def _contexts(spec: ClusterSpec, target: str, sizes: range = NODE_COUNTS) -> list[CheckContext]:
     """A check context per node count, as `check_context` makes one from the cluster's inventory."""
-    return [CheckContext(state=_Record(target), spec=spec, ranks=list(range(nodes)), run_dir=Path("/unused"),
+    # The record's target is what the ranks per node depend on; nothing here reads the state's files.
+    record = ClusterRecord(name=spec.name, target=target, created_at=0.0)
+    return [CheckContext(state=ClusterState(name=spec.name, root=Path("/unused")), record=record, spec=spec,
+                         ranks=list(range(nodes)), run_dir=Path("/unused"),
                          work_dir="/shared/smoke", shared=True, steps=20) for nodes in sizes]
 
 

@@ -16,7 +16,7 @@ def _inventory() -> InventoryResult:
 
 def test_a_checks_result_becomes_its_line_and_is_handed_back():
     printed: list[str] = []
-    checks = _Checks(state=None, work_dir="/w", skip=[], out=printed.append)
+    checks = _Checks(record=None, work_dir="/w", skip=[], out=printed.append)
     result = checks.run("inventory", _inventory)
     assert result == _inventory() and result.interfaces == {0: "eth0"}
     [line] = checks.entries
@@ -29,7 +29,7 @@ def test_a_check_that_cannot_run_fails_its_line_and_hands_back_nothing():
     def unreachable() -> InventoryResult:
         raise CheckError("node 1 (10.0.0.2) does not answer")
 
-    checks = _Checks(state=None, work_dir="/w", skip=[], out=lambda _line: None)
+    checks = _Checks(record=None, work_dir="/w", skip=[], out=lambda _line: None)
     assert checks.run("inventory", unreachable) is None
     assert checks.status("inventory") == "fail"
     [line] = checks.entries
@@ -40,7 +40,7 @@ def test_skipped_and_blocked_checks_do_not_run():
     def must_not_run() -> InventoryResult:
         raise AssertionError("ran")
 
-    checks = _Checks(state=None, work_dir="/w", skip=["bandwidth"], out=lambda _line: None)
+    checks = _Checks(record=None, work_dir="/w", skip=["bandwidth"], out=lambda _line: None)
     assert checks.run("bandwidth", must_not_run) is None
     checks.block("the inventory check failed (every node must answer first)")
     assert checks.run("fsdp", must_not_run) is None
