@@ -181,7 +181,7 @@ CHANGES_HELD_PACKAGES = [
 def test_packages_held_against_drift_are_still_changed_on_purpose(gpu_node):
     variables = gpu_node(
         "p4d.24xlarge",
-        nvidia_driver_source="ubuntu",
+        nvidia_kernel_common=kernel_common(UBUNTU_580),
         nvidia_smi_running={"rc": 0, "stdout_lines": ["580.95.05"]},
         nvidia_fm_version={"rc": 1, "stdout": ""},
     )
@@ -234,15 +234,13 @@ def test_only_fabric_manager_may_be_downgraded(gpu_node):
 DRIVER = "Decide whether to adopt the image's driver"
 
 
-def driver_decision(gpu_node, smi: str, owner: str = "", **overrides):
+def driver_decision(gpu_node, smi: str, **overrides):
     variables = gpu_node(
         "p5.48xlarge",
         nvidia_smi_version={"rc": 0 if smi else 9, "stdout_lines": [smi] if smi else []},
-        nvidia_smi_package={"rc": 0 if owner else 1, "stdout": owner},
         **overrides,
     )
     adopted = evaluate("nvidia", "driver.yml", DRIVER, "nvidia_driver_adopted", variables)
-    source = evaluate("nvidia", "driver.yml", DRIVER, "nvidia_driver_source", variables)
     image = evaluate("nvidia", "driver.yml", DRIVER, "nvidia_image_driver", variables)
     refuse = evaluate(
         "nvidia",
@@ -251,59 +249,122 @@ def driver_decision(gpu_node, smi: str, owner: str = "", **overrides):
         "when",
         {**variables, "nvidia_driver_adopted": adopted, "nvidia_image_driver": image},
     )
-    return adopted, source, refuse
+    return adopted, refuse
 
 
 def test_image_driver_of_a_newer_branch_is_adopted(gpu_node):
     # the DLAMI ships 595 while the spec pins 580: keep it, install nothing
-    assert driver_decision(gpu_node, "595.71.05", nvidia_driver_branch="580") == (True, "nvidia", False)
+    assert driver_decision(gpu_node, "595.71.05", nvidia_driver_branch="580") == (True, False)
     assert driver_decision(gpu_node, "580.95.05", nvidia_driver_branch="580")[0] is True
 
 
 def test_image_driver_of_an_older_branch_is_refused_unless_switching_is_asked_for(gpu_node):
-    assert driver_decision(gpu_node, "570.172.08", nvidia_driver_branch="580") == (False, "nvidia", True)
+    assert driver_decision(gpu_node, "570.172.08", nvidia_driver_branch="580") == (False, True)
     assert (
         driver_decision(
             gpu_node, "570.172.08", nvidia_driver_branch="580", nvidia_driver_allow_branch_switch=True
-        )[2]
+        )[1]
         is False
     )
     # exact branch asked for: a newer image driver is a switch too
     assert driver_decision(
         gpu_node, "595.71.05", nvidia_driver_branch="580", nvidia_driver_exact_branch=True
-    ) == (False, "nvidia", True)
+    ) == (False, True)
 
 
 def test_node_without_driver_installs_the_headless_server_packages(gpu_node):
-    adopted, _, refuse = driver_decision(gpu_node, "", nvidia_driver_branch="580")
+    adopted, refuse = driver_decision(gpu_node, "", nvidia_driver_branch="580")
     assert adopted is False and refuse is False
     packages = render("{{ nvidia_driver_packages }}", gpu_node("p5.48xlarge", nvidia_driver_branch="580"))
     assert packages == ["nvidia-headless-580-server-open", "nvidia-utils-580-server"]
 
 
+def test_a_driver_installed_without_a_reboot_is_loaded_and_the_hardware_read_again(gpu_node):
+    # a reboot loads the new module where it may run; elsewhere (not allowed, a container) modprobe does
+    variables = gpu_node("p4d.24xlarge")
+    load = "Load the new driver where the node was not rebooted"
+    assert task("nvidia", "driver.yml", load)["ansible.builtin.command"]["argv"] == ["modprobe", "nvidia"]
+    for install, reboot, loads in [
+        ({"changed": True}, {"changed": False, "skipped": True}, True),
+        ({"changed": True}, {"changed": True, "rebooted": True}, False),
+        ({"changed": False, "skipped": True}, {"changed": False, "skipped": True}, False),  # adopted driver
+    ]:
+        scope = {**variables, "nvidia_install": install, "nvidia_reboot": reboot}
+        assert evaluate("nvidia", "driver.yml", load, "when", scope) is loads
+    # the hardware facts were read before the driver existed: read again by the hardware role's own tasks,
+    # after the reboot or the load and before anything reads the driver, only where a driver was installed
+    names = [t.get("name") for t in _tasks("nvidia", "driver.yml")]
+    refresh = "Read the hardware again with the new driver loaded"
+    assert task("nvidia", "driver.yml", refresh)["ansible.builtin.include_role"] == {"name": "hardware"}
+    assert names.index("Reboot to load the new driver") < names.index(load) < names.index(refresh)
+    assert names.index(refresh) < names.index("Read the running driver version")
+    for install, refreshes in [({"changed": True}, True), ({"changed": False, "skipped": True}, False)]:
+        scope = {**variables, "nvidia_install": install}
+        assert evaluate("nvidia", "driver.yml", refresh, "when", scope) is refreshes
+
+
+# `dpkg-query --show` of nvidia-kernel-common-*: package|version|provides|status
+UBUNTU_535 = "nvidia-kernel-common-535-server|535.183.01-0ubuntu0.22.04.1|nvidia-kernel-common|installed"
+UBUNTU_580 = (
+    "nvidia-kernel-common-580-server|580.95.05-0ubuntu0.22.04.3|"
+    "nvidia-kernel-common, nvidia-kernel-common-580-server-580.95.05|installed"
+)
+
+
+def kernel_common(*lines: str) -> dict[str, Any]:
+    return {"rc": 0 if lines else 1, "stdout_lines": list(lines)}
+
+
 @pytest.mark.parametrize(
-    ("owner", "source", "specs"),
+    ("driver", "dpkg", "source", "specs"),
     [
-        # Ubuntu archive server packages: the branch is in the name, the version is Ubuntu's
+        # Ubuntu's packages, installed by this run on a fresh node: Fabric Manager and NSCQ depend on exactly
+        # the kernel-common version and share it
         (
-            "nvidia-utils-580-server",
+            "535.183.01",
+            [UBUNTU_535],
+            "ubuntu",
+            [
+                "nvidia-fabricmanager-535=535.183.01-0ubuntu0.22.04.1",
+                "libnvidia-nscq-535=535.183.01-0ubuntu0.22.04.1",
+            ],
+        ),
+        # Ubuntu's since 580.95.05-0ubuntu0.22.04.3 (LP #2129682): they depend on the release's virtual
+        # package, so any Ubuntu revision of the release fits
+        (
+            "580.95.05",
+            [UBUNTU_580],
             "ubuntu",
             ["nvidia-fabricmanager-580=580.95.05-*", "libnvidia-nscq-580=580.95.05-*"],
         ),
-        # NVIDIA's repository, and a runfile driver (owned by no package): 580.95.05-1ubuntu1
-        ("nvidia-driver-cuda", "nvidia", ["nvidia-fabricmanager=580.95.05-*", "libnvidia-nscq=580.95.05-*"]),
-        ("", "nvidia", ["nvidia-fabricmanager=580.95.05-*", "libnvidia-nscq=580.95.05-*"]),
+        # a runfile driver (no package) and NVIDIA's repository's packages: 580.95.05-1ubuntu1
+        ("580.95.05", [], "nvidia", ["nvidia-fabricmanager=580.95.05-*", "libnvidia-nscq=580.95.05-*"]),
+        (
+            "580.95.05",
+            ["nvidia-kernel-common-580|580.95.05-1ubuntu1|nvidia-kernel-common|installed"],
+            "nvidia",
+            ["nvidia-fabricmanager=580.95.05-*", "libnvidia-nscq=580.95.05-*"],
+        ),
+        # Ubuntu's packages of an older release removed (config files left) under the image's runfile driver
+        (
+            "595.71.05",
+            [UBUNTU_535.replace("|installed", "|config-files")],
+            "nvidia",
+            ["nvidia-fabricmanager=595.71.05-*", "libnvidia-nscq=595.71.05-*"],
+        ),
     ],
 )
-def test_fabric_manager_at_the_drivers_full_version_from_its_repository(gpu_node, owner, source, specs):
-    assert driver_decision(gpu_node, "580.95.05", owner, nvidia_driver_branch="580")[1] == source
+def test_fabric_manager_at_the_drivers_exact_version_from_its_repository(
+    gpu_node, driver, dpkg, source, specs
+):
     variables = gpu_node(
         "p4d.24xlarge",
-        nvidia_driver_source=source,
-        nvidia_smi_running={"rc": 0, "stdout_lines": ["580.95.05"]},
+        nvidia_kernel_common=kernel_common(*dpkg),
+        nvidia_smi_running={"rc": 0, "stdout_lines": [driver]},
         nvidia_fm_version={"rc": 0, "stdout": "Fabric Manager version is : 575.57.08"},
     )
     name = "Decide the Fabric Manager packages"
+    assert evaluate("nvidia", "fabricmanager.yml", name, "nvidia_driver_source", variables) == source
     assert evaluate("nvidia", "fabricmanager.yml", name, "nvidia_fm_specs", variables) == specs
     assert evaluate("nvidia", "fabricmanager.yml", name, "nvidia_fm_installed", variables) == "575.57.08"
     install = "Install Fabric Manager at the driver's version"
@@ -312,7 +373,7 @@ def test_fabric_manager_at_the_drivers_full_version_from_its_repository(gpu_node
     )
     # the image's Fabric Manager already matches: nothing to install
     assert not evaluate(
-        "nvidia", "fabricmanager.yml", install, "when", {**variables, "nvidia_fm_installed": "580.95.05"}
+        "nvidia", "fabricmanager.yml", install, "when", {**variables, "nvidia_fm_installed": driver}
     )
 
 

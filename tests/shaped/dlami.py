@@ -5,7 +5,9 @@ the local target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in 
 - /opt/fsdp-shape: a sys/proc/run tree with the type's GPUs, NVSwitches, EFA devices and NVMe instance
   store (held by the DLAMI's md array), read by hardware_facts through fsdp_sysfs_root;
 - stand-in modprobe/modinfo answering like kmod for the type's modules (loading one makes it appear in
-  /opt/fsdp-shape/sys/module, gdrdrv makes /dev/gdrdrv);
+  /opt/fsdp-shape/sys/module, gdrdrv makes /dev/gdrdrv, and an nvidia module a driver package's DKMS built
+  makes /proc/driver/nvidia/version); shared with the plain Ubuntu layer (ubuntu.py), as are the stand-in
+  nvidia-smi and nv-fabricmanager, which report the version of the package that ships them;
 - a stand-in nvidia-persistenced that forks like the real daemon, packaged with the unit Ubuntu and NVIDIA
   ship (static, StopWhenUnneeded, --no-persistence-mode); the stand-in nvidia-smi reports persistence
   mode from the running daemon's own flag, as the driver would, not from the unit being active;
@@ -43,6 +45,9 @@ NCCL_TESTS_TARBALL = f"{SHAPE}/src/nccl-tests-{NCCL_TESTS_VERSION}.tar.gz"
 DLAMI_MOUNT = "/opt/dlami/nvme"
 PERSISTENCED_RUN = "/run/nvidia-persistenced"  # where the real daemon writes its pid file
 PERSISTENCED_PIDFILE = f"{PERSISTENCED_RUN}/nvidia-persistenced.pid"
+# The nvidia module DKMS built for the running kernel (its version banner), where a driver package installed
+# one: loading it makes /proc/driver/nvidia/version. The DLAMI's runfile driver is loaded at boot instead.
+BUILT_NVIDIA = f"{SHAPE}/built/nvidia.version"
 NCCL = "2.29.3-1+cuda12.9"  # the pin, as NVIDIA's repository versions it
 OLDER_NCCL = "2.27.7-1+cuda12.9"  # what an earlier configure with an older pin would have left
 # The image's CUDA toolkits (runfile installs under /usr/local/cuda-X.Y): version.json's version, nvcc's build.
@@ -65,6 +70,10 @@ if ! grep -qx "$name" {SHAPE}/modules.available; then
 fi
 mkdir -p {SHAPE}/sys/module/"$name"
 [ "$name" = gdrdrv ] && : > /dev/gdrdrv
+# a loaded nvidia module shows its version banner in /proc/driver/nvidia/version
+if [ "$name" = nvidia ] && [ -f {BUILT_NVIDIA} ]; then
+  mkdir -p {SHAPE}/proc/driver/nvidia && cp {BUILT_NVIDIA} {SHAPE}/proc/driver/nvidia/version
+fi
 echo "$name" >> {SHAPE}/modprobe.log
 exit 0
 """
@@ -77,8 +86,13 @@ if grep -qx "$name" {SHAPE}/modules.available; then
 fi
 echo "modinfo: ERROR: Module $name not found." >&2; exit 1
 """
-NVIDIA_SMI = f"""#!/bin/sh
-# stand-in nvidia-smi {DRIVER}: one GPU per NVIDIA display controller on the shaped PCI bus
+NVIDIA_SMI_TEMPLATE = f"""#!/bin/sh
+# stand-in nvidia-smi {{version}}: one GPU per NVIDIA display controller on the shaped PCI bus
+# A module DKMS built that nothing loaded yet (no reboot since the install): the driver cannot be reached.
+if [ -f {BUILT_NVIDIA} ] && [ ! -d {SHAPE}/sys/module/nvidia ]; then
+  echo "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest NVIDIA driver is installed and running."
+  exit 9
+fi
 gpus=$(grep -l 0x0302 {SHAPE}/sys/bus/pci/devices/*/class 2>/dev/null | wc -l)
 # persistence mode is what the running nvidia-persistenced was told: on unless --no-persistence-mode
 pm=Disabled
@@ -87,11 +101,11 @@ if [ -n "$pid" ] && [ -r /proc/"$pid"/cmdline ]; then
   case " $(tr '\\0' ' ' < /proc/"$pid"/cmdline) " in *" --no-persistence-mode "*) ;; *) pm=Enabled ;; esac
 fi
 case "$*" in
-  *--query-gpu=driver_version*) i=0; while [ $i -lt $gpus ]; do echo {DRIVER}; i=$((i+1)); done ;;
+  *--query-gpu=driver_version*) i=0; while [ $i -lt $gpus ]; do echo {{version}}; i=$((i+1)); done ;;
   *--query-gpu=index,driver_version,persistence_mode*)
-    i=0; while [ $i -lt $gpus ]; do echo "$i, {DRIVER}, $pm"; i=$((i+1)); done ;;
+    i=0; while [ $i -lt $gpus ]; do echo "$i, {{version}}, $pm"; i=$((i+1)); done ;;
   *--query-gpu=index,pci.bus_id,ecc.errors.uncorrected.volatile.total,remapped_rows.pending,remapped_rows.failure*) i=0; for c in $(grep -l 0x0302 {SHAPE}/sys/bus/pci/devices/*/class 2>/dev/null); do echo "$i, $(basename "$(dirname "$c")"), 0, No, No"; i=$((i+1)); done ;;
-  *) echo "NVIDIA-SMI {DRIVER}    Driver Version: {DRIVER}    CUDA Version: 13.2" ;;
+  *) echo "NVIDIA-SMI {{version}}    Driver Version: {{version}}    CUDA Version: 13.2" ;;
 esac
 """
 PERSISTENCED = f"""#!/bin/sh
@@ -112,10 +126,28 @@ Type=forking
 ExecStart=/usr/bin/nvidia-persistenced --user nvidia-persistenced --no-persistence-mode --verbose
 ExecStopPost=/bin/rm -rf /var/run/nvidia-persistenced
 """
-FABRICMANAGER = f"""#!/bin/sh
-case "$1" in --version|-v) echo "Fabric Manager version is : {DRIVER}"; exit 0 ;; esac
+FABRICMANAGER_TEMPLATE = """#!/bin/sh
+case "$1" in --version|-v) echo "Fabric Manager version is : {version}"; exit 0 ;; esac
 exec sleep infinity
 """
+
+
+def nvidia_smi(version: str) -> str:
+    """The stand-in nvidia-smi of a driver package of that version."""
+    return NVIDIA_SMI_TEMPLATE.format(version=version)
+
+
+def fabricmanager(version: str) -> str:
+    """The stand-in nv-fabricmanager of a Fabric Manager package of that version (it reports its own)."""
+    return FABRICMANAGER_TEMPLATE.format(version=version)
+
+
+def nvrm_banner(version: str) -> str:
+    """/proc/driver/nvidia/version of a loaded open kernel module of that version."""
+    return f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build\n"
+
+
+NVIDIA_SMI = nvidia_smi(DRIVER)  # the DLAMI's
 FI_INFO = f"""#!/bin/sh
 # stand-in libfabric 2.4.0amzn1.0 fi_info: one efa RDM domain per EFA device; with -c FI_HMEM only
 # when GPU memory can be registered (a peer-memory module loaded, or the open NVIDIA module: dma-buf)
@@ -188,15 +220,22 @@ def build_elves(work: Path) -> dict[str, Path]:
 
 # Packages --------------------------------------------------------------------------------------------
 def build_deb(out: Path, name: str, version: str, files: dict[str, bytes | Path], *, depends: str = "",
-              arch: str = "amd64", modes: dict[str, int] | None = None) -> Path:
-    """A Debian package built with dpkg-deb: control with the real name, version and dependencies."""
+              arch: str = "amd64", modes: dict[str, int] | None = None, relations: dict[str, str] | None = None,
+              postinst: str = "") -> Path:
+    """A Debian package built with dpkg-deb: control with the real name, version and dependencies, and the
+    other relations (Provides, Conflicts, Replaces) the real one declares; `postinst` stands in for what the
+    real package's maintainer script does."""
     root = out / f"build-{name}"
     shutil.rmtree(root, ignore_errors=True)
     (root / "DEBIAN").mkdir(parents=True)
     control = (f"Package: {name}\nVersion: {version}\nArchitecture: {arch}\nMaintainer: fsdp-cluster tests "
                f"<tests@example.invalid>\n" + (f"Depends: {depends}\n" if depends else "")
+               + "".join(f"{field}: {value}\n" for field, value in (relations or {}).items())
                + f"Description: stand-in {name} for a hardware-shaped test node\n")
     (root / "DEBIAN/control").write_text(control)
+    if postinst:
+        (root / "DEBIAN/postinst").write_text(postinst)
+        (root / "DEBIAN/postinst").chmod(0o755)
     if any(".so" in path for path in files):  # as real library packages do: refresh the linker cache
         (root / "DEBIAN/triggers").write_text("activate-noawait ldconfig\n")
     for path, content in files.items():
@@ -249,8 +288,9 @@ def _nccl_tests_tarball(path: Path, binary: Path) -> None:
             tar.addfile(info, io.BytesIO(data))
 
 
-def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
-    """The whole layer for FSDPCTL_LOCAL_NODE_LAYER; returns `layer`."""
+def shape_tree(layer: Path, instance_type: str, modules: list[str]) -> Path:
+    """The instance type's sys/proc/run tree under SHAPE in `layer`, with the stand-in modprobe and modinfo
+    for a kernel that has `modules`; returns the tree."""
     shape = layer / SHAPE.lstrip("/")
     sysfs_tree(shape, instance_type)
     for link in [p for p in shape.rglob("*") if p.is_symlink()]:  # relative, so they resolve on the node
@@ -258,25 +298,33 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
         if target.is_absolute():
             link.unlink()
             link.symlink_to(os.path.relpath(target, link.parent))
+    (shape / "run/systemd").mkdir(parents=True)
+    (shape / "run/systemd/container").write_text("systemd-nspawn\n")  # honest: still a container
+    (shape / "proc/self/status").write_text("Name:\tpython3\nCapEff:\t00000000fcecbfff\n")
+    (shape / "modules.available").write_text("".join(f"{m}\n" for m in modules))
+    for path, text in {"usr/sbin/modprobe": MODPROBE, "usr/sbin/modinfo": MODINFO}.items():
+        install_command(layer, path, text)
+    return shape
+
+
+def install_command(layer: Path, path: str, text: str) -> None:
+    target = layer / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    target.chmod(0o755)
+
+
+def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
+    """The whole layer for FSDPCTL_LOCAL_NODE_LAYER; returns `layer`."""
+    shape = shape_tree(layer, instance_type, ["nvidia", "nvidia_uvm", "efa", "efa_nv_peermem", "gdrdrv"])
+    install_command(layer, "usr/bin/make", MAKE)
     facts = catalog.CATALOG[instance_type]
     for n in range(1, facts.nvme_devices + 1):  # the DLAMI's array over the instance store
         (shape / f"sys/class/block/nvme{n}n1/holders/md127").mkdir(parents=True)
     for module in ("nvidia", "nvidia_uvm", "efa", "efa_nv_peermem"):  # loaded at boot on a DLAMI
         (shape / f"sys/module/{module}").mkdir(parents=True)
     (shape / "proc/driver/nvidia").mkdir(parents=True)
-    (shape / "proc/driver/nvidia/version").write_text(
-        f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER}  Release Build\n")
-    (shape / "run/systemd").mkdir(parents=True)
-    (shape / "run/systemd/container").write_text("systemd-nspawn\n")  # honest: still a container
-    (shape / "proc/self/status").write_text("Name:\tpython3\nCapEff:\t00000000fcecbfff\n")
-    (shape / "modules.available").write_text("nvidia\nnvidia_uvm\nefa\nefa_nv_peermem\ngdrdrv\n")
-
-    for path, text in {"usr/sbin/modprobe": MODPROBE, "usr/sbin/modinfo": MODINFO,
-                       "usr/bin/make": MAKE}.items():
-        target = layer / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-        target.chmod(0o755)
+    (shape / "proc/driver/nvidia/version").write_text(nvrm_banner(DRIVER))
     # The DLAMI's repositories are unreachable from a test node: apt reads only the local one.
     (layer / "etc/apt").mkdir(parents=True, exist_ok=True)
     (layer / "etc/apt/sources.list").write_text("# shaped test node: no Debian mirror\n")
@@ -304,7 +352,7 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
                                     "/usr/bin/nvidia-persistenced": _script(PERSISTENCED),
                                     "/lib/systemd/system/nvidia-persistenced.service": PERSISTENCED_UNIT.encode()},
          ""),
-        ("nvidia-fabricmanager", fm, {"/usr/bin/nv-fabricmanager": _script(FABRICMANAGER),
+        ("nvidia-fabricmanager", fm, {"/usr/bin/nv-fabricmanager": _script(fabricmanager(DRIVER)),
                                       "/lib/systemd/system/nvidia-fabricmanager.service":
                                           _unit("NVIDIA fabric manager service", "/usr/bin/nv-fabricmanager")},
          f"libnvidia-nscq (= {fm})"),

@@ -9,7 +9,7 @@ import pytest
 from fsdpctl.errors import UsageError
 from fsdpctl.targets.local.nodes import LAYER_ENV, node_layer
 from tests.ansible.conftest import detect_hardware
-from tests.shaped import dlami
+from tests.shaped import dlami, ubuntu
 
 
 def test_node_layer_names_the_variable_for_a_bad_value(monkeypatch, tmp_path):
@@ -37,3 +37,19 @@ def test_dlami_layer_has_the_p4d_hardware_with_links_that_resolve_inside_the_nod
     packages = (layer / dlami.REPO.lstrip("/") / "Packages").read_text()
     assert "Package: libnccl-dev\nVersion: 2.29.3-1+cuda12.9" in packages
     assert "Depends: libnccl2 (= 2.29.3-1+cuda12.9)" in packages
+
+
+def test_plain_ubuntu_layer_has_the_hardware_and_no_nvidia_software(tmp_path):
+    layer = ubuntu.build_layer(tmp_path / "layer", "p4d.24xlarge")
+    found = detect_hardware(layer / dlami.SHAPE.lstrip("/"))
+    assert (found["gpu_count"], found["nvswitch_count"], found["efa_count"]) == (8, 6, 4)
+    assert found["nvidia_kernel_module"] == "" and found["peermem_modules"] == []
+    assert not any(found["nvme_holders"].values())  # blank instance store
+    packages = (layer / ubuntu.ARCHIVE.lstrip("/") / "Packages").read_text()
+    version = "535.183.01-0ubuntu0.22.04.1"
+    # Ubuntu's Fabric Manager and NSCQ: exactly the kernel-common version
+    for name in ("nvidia-fabricmanager-535", "libnvidia-nscq-535"):
+        stanza = next(s for s in packages.split("\n\n") if s.startswith(f"Package: {name}\n"))
+        assert f"\nVersion: {version}\n" in stanza
+        assert f"\nDepends: nvidia-kernel-common-535-server (= {version})\n" in stanza
+    assert "Package: nvidia-fabricmanager\n" not in packages  # NVIDIA's naming is its own repository's
