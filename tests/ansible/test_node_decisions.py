@@ -594,45 +594,23 @@ def test_gpudirect_accepts_a_peer_memory_module_or_dma_buf(
 
 
 # ----------------------------------------------------------------------------------------- storage
-def scratch_action(gpu_node, *, mounts, holders=None, signed=(), raid=False):
-    hardware = gpu_node("p4d.24xlarge")["fsdp_hardware"]
-    devices = hardware["nvme_instance_store"]
-    hardware = {**hardware, "nvme_holders": {d: (holders or {}).get(d, []) for d in devices}}
+def scratch_action(gpu_node, *, mounts, **overrides):
     findmnt = {"filesystems": [{"target": t, "source": "/dev/x", "fstype": "xfs"} for t in ["/", *mounts]]}
-    blkid = {"results": [{"item": d, "rc": 0 if d in signed else 2} for d in devices]}
-    variables = gpu_node(
-        "p4d.24xlarge",
-        fsdp_hardware=hardware,
-        storage_raid={"stat": {"exists": raid}},
-        storage_findmnt={"stdout": __import__("json").dumps(findmnt)},
-        storage_blkid=blkid,
-    )
+    variables = gpu_node("p4d.24xlarge", storage_findmnt={"stdout": json.dumps(findmnt)}, **overrides)
     name = "Decide what to do with the instance store"
-    return (
-        evaluate("storage", "scratch.yml", name, "storage_scratch_action", variables).strip(),
-        evaluate("storage", "scratch.yml", name, "storage_nvme_in_use", variables),
-    )
+    return evaluate("storage", "scratch.yml", name, "storage_scratch_action", variables).strip()
 
 
 def test_dlami_instance_store_mount_is_adopted(gpu_node):
-    held = {f"/dev/nvme{n}n1": ["md127"] for n in range(1, 9)}
-    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme"], holders=held)[0] == "adopt"
+    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme"]) == "adopt"
     # second run: /scratch is the bind mount now; still the same decision, nothing re-created
-    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme", "/scratch"], holders=held)[0] == "adopt"
+    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme", "/scratch"]) == "adopt"
 
 
-@pytest.mark.parametrize(
-    ("holders", "signed"),
-    [({"/dev/nvme3n1": ["dm-0"]}, ()), ({}, ("/dev/nvme1n1",))],
-)
-def test_instance_store_in_use_is_refused_never_overwritten(gpu_node, holders, signed):
-    action, in_use = scratch_action(gpu_node, mounts=[], holders=holders, signed=signed)
-    assert action == "refuse"
-    assert in_use == sorted([*holders, *signed])
-
-
-def test_blank_instance_store_or_our_own_array_is_built(gpu_node):
-    assert scratch_action(gpu_node, mounts=[])[0] == "create"
-    # our array exists (its members are held by it): keep building on it, not refuse
-    assert scratch_action(gpu_node, mounts=[], holders={"/dev/nvme1n1": ["md127"]}, raid=True)[0] == "create"
-    assert scratch_action(gpu_node, mounts=["/scratch"])[0] == "mounted"
+def test_without_the_images_volume_the_scratch_program_decides(gpu_node):
+    # plain Ubuntu, a node configured before (/scratch mounted), adoption switched off: fsdp-scratch
+    # decides, at configure time and at every boot (ready, other, mount, create or refuse:
+    # tests/ansible/test_scratch.py)
+    assert scratch_action(gpu_node, mounts=[]) == "own"
+    assert scratch_action(gpu_node, mounts=["/scratch"]) == "own"
+    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme"], storage_adopt_image_mount=False) == "own"

@@ -229,39 +229,6 @@ def test_limits_for_sessions_and_services(gpu_node):
 
 
 @pytest.mark.parametrize("instance_type", INSTANCE_TYPES)
-def test_raid0_over_every_instance_store_device(gpu_node, instance_type):
-    variables = gpu_node(instance_type)
-    devices = catalog.CATALOG[instance_type].nvme_devices
-    argv = render(
-        task_expression(
-            "storage",
-            "scratch.yml",
-            "Assemble the NVMe devices into RAID0",
-            "ansible.builtin.command",
-            "argv",
-        ),
-        variables,
-    )
-    assert argv[:7] == [
-        "mdadm",
-        "--create",
-        "/dev/md/fsdp-scratch",
-        "--run",
-        "--level=0",
-        "--name=fsdp-scratch",
-        f"--raid-devices={devices}",
-    ]
-    assert argv[7:] == [f"/dev/nvme{n}n1" for n in range(1, devices + 1)]
-    assert render("{{ storage_scratch_device }}", variables) == "/dev/md/fsdp-scratch"
-    assert render("{{ storage_expected_nvme }}", variables) == devices
-    single = {
-        **variables,
-        "fsdp_hardware": {**variables["fsdp_hardware"], "nvme_instance_store": ["/dev/nvme1n1"]},
-    }
-    assert render("{{ storage_scratch_device }}", single) == "/dev/nvme1n1"
-
-
-@pytest.mark.parametrize("instance_type", INSTANCE_TYPES)
 def test_fi_info_device_count_check(gpu_node, instance_type):
     efa = catalog.CATALOG[instance_type].efa_interfaces
     fi_info = "".join(

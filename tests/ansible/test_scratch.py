@@ -1,0 +1,475 @@
+"""The storage role's scratch program (files/fsdp-scratch), which the role runs at configure time and
+fsdp-scratch.service runs at every boot: on an instance-shaped sys tree with stand-in blkid, mdadm,
+mkfs.xfs, mount, findmnt and udevadm that keep each device's signatures, holders and the mount table
+as the real tools would (mdadm checks only for ext2/3/4, md and partition-table signatures and goes on
+over XFS or LVM; mkfs.xfs without -f refuses any signature; a device in an array is busy). A blank
+instance store (the first boot after an EC2 stop/start) is built and mounted, a reboot only assembles
+and mounts, a device that carries data not ours is refused and left alone. Then the unit and settings
+the role renders, the role's glue (which plans lead to what), and the role's tasks in check mode on
+this machine with the same stand-ins. Shellcheck passes the program (a warning fails)."""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from ansible.template import trust_as_template
+
+from infra import catalog
+from tests.ansible.conftest import (
+    BIN,
+    REPO,
+    ROLES_DIR,
+    ansible_env,
+    detect_hardware,
+    render,
+    render_template,
+    run_playbook,
+    sysfs_tree,
+)
+from tests.stand_ins import stand_in_commands
+
+PROGRAM = ROLES_DIR / "storage/files/fsdp-scratch"
+P4D_DEVICES = [f"/dev/nvme{n}n1" for n in range(1, 9)]
+HOST_NAME = "ip-10-42-1-10"
+MEMBER = f"TYPE=linux_raid_member\nLABEL={HOST_NAME}:fsdp-scratch\n"
+WRITES = ("mdadm", "mkfs.xfs", "mount")
+
+
+def stand_ins(state: Path, sysfs: Path) -> dict[str, str]:
+    """Bash bodies of the stand-in tools. A device's signatures are the file state/dev/NAME (blkid's
+    export lines; no file: blank), its holders the entries of the sys tree's holders directory, the
+    mount table state/mounts ("SOURCE TARGET" lines); every call is appended to state/calls."""
+    log = f'echo "${{0##*/}} $*" >> {state}/calls'
+    signature = f'sig() {{ local f={state}/dev/${{1##*/}}; if [ -s "$f" ]; then cat "$f"; fi; }}'
+    held = f'held() {{ [ -n "$(ls {sysfs}/sys/class/block/${{1##*/}}/holders 2>/dev/null)" ]; }}'
+    hold = f'hold() {{ mkdir -p {sysfs}/sys/class/block/${{1##*/}}/holders/md127; }}'
+    return {
+        "blkid": f"""{log}
+{signature}
+dev=${{@: -1}}
+if [ -z "$(sig "$dev")" ]; then exit 2; fi
+echo "DEVNAME=$dev"; sig "$dev"
+""",
+        "mdadm": f"""{log}
+{signature}
+{held}
+{hold}
+mode=$1; array=$2; shift 2
+name="" run=no devices=()
+for arg in "$@"; do
+    case "$arg" in
+        --name=*) name=${{arg#--name=}} ;;
+        --run) run=yes ;;
+        /dev/*) devices+=("$arg") ;;
+    esac
+done
+for dev in "${{devices[@]}}"; do
+    if held "$dev"; then echo "mdadm: cannot open $dev: Device or resource busy" >&2; exit 1; fi
+done
+if [ "$mode" = --assemble ]; then
+    for dev in "${{devices[@]}}"; do
+        if ! sig "$dev" | grep -q "^LABEL=.*:${{array##*/}}$"; then
+            echo "mdadm: no recogniseable superblock on $dev" >&2; exit 1
+        fi
+    done
+    for dev in "${{devices[@]}}"; do hold "$dev"; done
+    echo "mdadm: $array has been started with ${{#devices[@]}} drives." >&2
+    exit 0
+fi
+# --create: mdadm's own look at the devices (check_ext2, check_raid, check_partitions): it does not
+# see XFS or LVM
+warn=no
+for dev in "${{devices[@]}}"; do
+    case "$(sig "$dev")" in
+        *TYPE=ext[234]*) echo "mdadm: $dev appears to contain an ext2fs file system" >&2; warn=yes ;;
+        *TYPE=linux_raid_member*) echo "mdadm: $dev appears to be part of a raid array:" >&2; warn=yes ;;
+        *PTTYPE=*) echo "mdadm: partition table exists on $dev" >&2; warn=yes ;;
+    esac
+done
+if [ "$warn" = yes ] && [ "$run" = no ]; then
+    printf 'Continue creating array? ' >&2
+    if ! read -r answer || [[ "$answer" != [yY]* ]]; then echo "mdadm: create aborted." >&2; exit 1; fi
+fi
+for dev in "${{devices[@]}}"; do
+    printf 'TYPE=linux_raid_member\\nLABEL={HOST_NAME}:%s\\n' "$name" > {state}/dev/${{dev##*/}}
+    hold "$dev"
+done
+rm -f {state}/dev/md127
+echo "mdadm: array $array started." >&2
+""",
+        "mkfs.xfs": f"""{log}
+{signature}
+{held}
+label=""
+while [ $# -gt 1 ]; do
+    case "$1" in -L) label=$2; shift ;; esac
+    shift
+done
+dev=$1
+if held "$dev"; then echo "mkfs.xfs: cannot open $dev: Device or resource busy" >&2; exit 1; fi
+found=$(sig "$dev" | sed -n 's/^TYPE=//p')
+if [ -n "$found" ]; then
+    echo "mkfs.xfs: $dev appears to contain an existing filesystem ($found)." >&2
+    echo "mkfs.xfs: Use the -f option to force overwrite." >&2
+    exit 1
+fi
+printf 'TYPE=xfs\\n%s\\n' "${{label:+LABEL=$label}}" > {state}/dev/${{dev##*/}}
+""",
+        "mount": f"""{log}
+{signature}
+dev=${{@: -2:1}}; target=${{@: -1}}
+if ! sig "$dev" | grep -q '^TYPE=xfs$'; then
+    echo "mount: $target: wrong fs type, bad option, bad superblock on $dev." >&2; exit 32
+fi
+echo "$dev $target" >> {state}/mounts
+""",
+        "findmnt": f"""{log}
+touch {state}/mounts
+if [ "$1" = --json ]; then
+    # the root file system, then the mount table
+    awk 'BEGIN {{ printf "{{\\"filesystems\\": [{{\\"target\\": \\"/\\", \\"source\\": \\"/dev/root\\"}}" }}
+         {{ printf ", {{\\"target\\": \\"%s\\", \\"source\\": \\"%s\\"}}", $2, $1 }}
+         END {{ print "]}}" }}' {state}/mounts
+    exit 0
+fi
+target=${{@: -1}}
+awk -v t="$target" '$2 == t {{ print $1; found = 1; exit }} END {{ exit !found }}' {state}/mounts
+""",
+        "udevadm": log,
+    }
+
+
+class InstanceStore:
+    """A node's instance store for the program: an instance-shaped sys tree, the stand-in tools' state
+    and the settings the role gives it. run() runs the program and returns (exit status, stdout, the
+    calls that write: mdadm, mkfs.xfs and mount)."""
+
+    def __init__(self, tmp_path: Path, instance_type: str = "p4d.24xlarge", **settings: str):
+        self.sysfs = sysfs_tree(tmp_path / "shape", instance_type)
+        self.state = tmp_path / "state"
+        (self.state / "dev").mkdir(parents=True)
+        self.mount_point = tmp_path / "scratch"
+        self.env = stand_in_commands(tmp_path, **stand_ins(self.state, self.sysfs))
+        devices = len(detect_hardware(self.sysfs)["nvme_instance_store"])  # as the role renders it
+        self.settings = {
+            "FSDP_SCRATCH_MOUNT": str(self.mount_point),
+            "FSDP_SCRATCH_MOUNT_OPTIONS": "defaults,noatime",
+            "FSDP_SCRATCH_NAME": "fsdp-scratch",
+            "FSDP_SCRATCH_DEVICES": str(devices),
+            "FSDP_SCRATCH_SYSFS_ROOT": str(self.sysfs),
+            **settings,
+        }
+
+    def sign(self, device: str, signature: str) -> None:
+        (self.state / "dev" / Path(device).name).write_text(signature)
+
+    def signature(self, device: str) -> str:
+        path = self.state / "dev" / Path(device).name
+        return path.read_text() if path.exists() else ""
+
+    def hold(self, device: str, holder: str) -> None:
+        (self.sysfs / "sys/class/block" / Path(device).name / "holders" / holder).mkdir(parents=True)
+
+    def mounted(self) -> list[str]:
+        mounts = self.state / "mounts"
+        return mounts.read_text().splitlines() if mounts.exists() else []
+
+    def reboot(self, *, stopped: bool) -> None:
+        """Nothing is mounted and no array runs; after an EC2 stop/start every device is blank too."""
+        (self.state / "mounts").unlink(missing_ok=True)
+        shutil.rmtree(self.sysfs / "sys/class/block", ignore_errors=True)
+        if stopped:
+            shutil.rmtree(self.state / "dev")
+            (self.state / "dev").mkdir()
+
+    def run(self, mode: str) -> tuple[int, str, list[str]]:
+        calls = self.state / "calls"
+        calls.unlink(missing_ok=True)
+        proc = subprocess.run(["bash", str(PROGRAM), mode], capture_output=True, text=True, timeout=60,
+                              env={**self.env, **self.settings})
+        made = calls.read_text().splitlines() if calls.exists() else []
+        return proc.returncode, proc.stdout + proc.stderr, [c for c in made if c.startswith(WRITES)]
+
+
+def test_the_program_passes_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck is not installed: run `make host-packages` (apt-get install shellcheck)")
+    proc = subprocess.run([shellcheck, "--shell=bash", "--severity=warning", "--format=gcc", str(PROGRAM)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert PROGRAM.stat().st_mode & stat.S_IXUSR
+
+
+def test_a_blank_instance_store_is_built_into_raid0_xfs_and_mounted(tmp_path):
+    store = InstanceStore(tmp_path)
+    devices = " ".join(P4D_DEVICES)
+    # plan writes nothing
+    assert store.run("plan") == (
+        0, f"create: RAID0 array fsdp-scratch over {devices}, XFS, at {store.mount_point}\n", [])
+    status, out, writes = store.run("apply")
+    assert status == 0, out
+    assert writes == [
+        f"mdadm --create /dev/md/fsdp-scratch --level=0 --name=fsdp-scratch --raid-devices=8 {devices}",
+        "mkfs.xfs -q -L fsdp-scratch /dev/md127",
+        f"mount -t xfs -o defaults,noatime /dev/md127 {store.mount_point}",
+    ]
+    assert f"\nmounted /dev/md127 at {store.mount_point}\n" in out
+    assert stat.S_IMODE(store.mount_point.stat().st_mode) == 0o1777  # open to every user, sticky
+    assert all(store.signature(d) == MEMBER for d in P4D_DEVICES)
+    # the next configure: nothing to do
+    assert store.run("apply") == (0, f"ready: {store.mount_point} is mounted from /dev/md127\n", [])
+
+
+def test_after_an_ec2_stop_start_the_blank_instance_store_is_built_again(tmp_path):
+    store = InstanceStore(tmp_path)
+    assert store.run("apply")[0] == 0
+    store.reboot(stopped=True)
+    status, out, writes = store.run("apply")
+    assert status == 0, out
+    assert out.startswith("create: RAID0 array fsdp-scratch over /dev/nvme1n1 ")
+    assert [w.split()[0:2] for w in writes] == [["mdadm", "--create"], ["mkfs.xfs", "-q"], ["mount", "-t"]]
+    assert store.mounted() == [f"/dev/md127 {store.mount_point}"]
+
+
+def test_a_reboot_without_a_stop_only_assembles_and_mounts(tmp_path):
+    store = InstanceStore(tmp_path)
+    assert store.run("apply")[0] == 0
+    store.reboot(stopped=False)
+    # udev did not assemble the array (yet): the program assembles it from the devices
+    status, out, writes = store.run("apply")
+    assert status == 0, out
+    assert writes == [
+        f"mdadm --assemble /dev/md/fsdp-scratch {' '.join(P4D_DEVICES)}",
+        f"mount -t xfs -o defaults,noatime /dev/md127 {store.mount_point}",
+    ]
+    # udev assembled it: mount only
+    store.reboot(stopped=False)
+    for device in P4D_DEVICES:
+        store.hold(device, "md127")
+    array = f"RAID0 array fsdp-scratch over {' '.join(P4D_DEVICES)} (/dev/md127)"
+    assert store.run("plan") == (0, f"mount: {array} at {store.mount_point}\n", [])
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (0, [f"mount -t xfs -o defaults,noatime /dev/md127 {store.mount_point}"]), out
+
+
+def test_an_array_of_ours_without_a_file_system_gets_one(tmp_path):
+    # a create interrupted between mdadm and mkfs.xfs (the node stopped, or the run was killed)
+    store = InstanceStore(tmp_path)
+    for device in P4D_DEVICES:
+        store.sign(device, MEMBER)
+        store.hold(device, "md127")
+    status, out, writes = store.run("apply")
+    assert status == 0, out
+    assert writes == ["mkfs.xfs -q -L fsdp-scratch /dev/md127",
+                      f"mount -t xfs -o defaults,noatime /dev/md127 {store.mount_point}"]
+
+
+@pytest.mark.parametrize(
+    ("signature", "holder", "shown"),
+    [
+        # someone's XFS or LVM volume: mdadm itself would not notice and would overwrite it
+        ("TYPE=xfs\nLABEL=data\n", None, 'xfs "data"'),
+        ("TYPE=LVM2_member\n", "dm-0", "held by dm-0"),
+        ("TYPE=ext4\n", None, "ext4"),
+        ("PTTYPE=gpt\n", None, "a gpt partition table"),
+        # a member of another array (the Deep Learning AMI's, say)
+        (f"TYPE=linux_raid_member\nLABEL={HOST_NAME}:0\n", "md0", "held by md0"),
+        (f"TYPE=linux_raid_member\nLABEL={HOST_NAME}:0\n", None, f'linux_raid_member "{HOST_NAME}:0"'),
+    ],
+)
+def test_a_device_carrying_data_not_ours_is_refused_and_left_alone(tmp_path, signature, holder, shown):
+    store = InstanceStore(tmp_path)
+    store.sign("/dev/nvme3n1", signature)
+    if holder:
+        store.hold("/dev/nvme3n1", holder)
+    for mode in ("plan", "apply"):
+        status, out, writes = store.run(mode)
+        assert (status, writes) == (1, []), out
+        refused = f"refuse: the instance-store device(s) /dev/nvme3n1 ({shown}) already carry data: never"
+        assert out.startswith(refused), out
+        assert "wipe the devices (wipefs -a) if their data is not needed" in out
+    assert store.signature("/dev/nvme3n1") == signature
+    assert all(store.signature(d) == "" for d in P4D_DEVICES if d != "/dev/nvme3n1")
+    assert store.mounted() == []
+
+
+def test_a_file_system_not_xfs_on_an_array_of_ours_is_refused(tmp_path):
+    store = InstanceStore(tmp_path)
+    for device in P4D_DEVICES:
+        store.sign(device, MEMBER)
+        store.hold(device, "md127")
+    store.sign("/dev/md127", "TYPE=ext4\n")
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (1, []), out
+    assert out.startswith("refuse: RAID0 array fsdp-scratch (/dev/md127) carries ext4, not XFS: never "), out
+
+
+def test_members_of_ours_held_by_different_arrays_are_refused(tmp_path):
+    # half of them in an array udev left unfinished: assembling or creating over them would fail or worse
+    store = InstanceStore(tmp_path)
+    for device in P4D_DEVICES:
+        store.sign(device, MEMBER)
+    for device in P4D_DEVICES[:4]:
+        store.hold(device, "md127")
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (1, []), out
+    members = " ".join(P4D_DEVICES)
+    assert out.startswith(f"refuse: the members of RAID0 array fsdp-scratch ({members}) are held by "
+                          "different arrays (md127,md127,md127,md127,none,none,none,none): stop them"), out
+
+
+def test_missing_devices_are_not_built_over(tmp_path):
+    # the node had 9 at configure time; 8 came back
+    store = InstanceStore(tmp_path, FSDP_SCRATCH_DEVICES="9", FSDP_SCRATCH_DEVICE_WAIT_S="1")
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (1, []), out
+    assert out.startswith(f"refuse: 8 instance-store device(s) ({' '.join(P4D_DEVICES)}) where the node "
+                          "had 9 after 1 s: not building scratch over part of them."), out
+
+
+def test_a_mount_point_mounted_from_something_else_is_kept(tmp_path):
+    store = InstanceStore(tmp_path)
+    (store.state / "mounts").write_text(f"/dev/nvme0n1p2 {store.mount_point}\n")
+    kept = f"{store.mount_point} is mounted from /dev/nvme0n1p2, not from the instance store's scratch"
+    assert store.run("apply") == (0, f"other: {kept}; kept as it is\n", [])
+
+
+def test_a_single_device_is_formatted_directly_and_known_by_its_label(tmp_path):
+    store = InstanceStore(tmp_path, "p5.48xlarge")
+    for ctrl in sorted((store.sysfs / "sys/class/nvme").iterdir())[2:]:  # keep the EBS root and nvme1
+        shutil.rmtree(ctrl)
+    store.settings["FSDP_SCRATCH_DEVICES"] = "1"
+    status, out, writes = store.run("apply")
+    assert status == 0, out
+    assert writes == ["mkfs.xfs -q -L fsdp-scratch /dev/nvme1n1",
+                      f"mount -t xfs -o defaults,noatime /dev/nvme1n1 {store.mount_point}"]
+    store.reboot(stopped=False)
+    assert store.run("plan") == (0, f'mount: XFS "fsdp-scratch" on /dev/nvme1n1 at {store.mount_point}\n', [])
+    # an XFS of someone else's (no label, or another) on the device is not ours
+    store.reboot(stopped=True)
+    store.sign("/dev/nvme1n1", "TYPE=xfs\n")
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (1, []), out
+    assert out.startswith("refuse: the instance-store device(s) /dev/nvme1n1 (xfs) already carry data"), out
+
+
+# ------------------------------------------------------------------------------ what the role renders
+@pytest.mark.parametrize("instance_type", ["p4d.24xlarge", "p5.48xlarge"])
+def test_the_unit_runs_the_program_with_the_settings_the_role_runs_it_with(gpu_node, instance_type):
+    variables = gpu_node(instance_type)
+    devices = catalog.CATALOG[instance_type].nvme_devices
+    # the count the role checks the node against (the spec's), and the one the program waits for
+    assert render("{{ storage_expected_nvme }}", variables) == devices
+    env_file = render_template("storage", "scratch.env.j2", variables)
+    settings = dict(line.split("=", 1) for line in env_file.splitlines() if line and not line.startswith("#"))
+    assert settings == {
+        "FSDP_SCRATCH_MOUNT": "/scratch",
+        "FSDP_SCRATCH_MOUNT_OPTIONS": "defaults,noatime",
+        "FSDP_SCRATCH_NAME": "fsdp-scratch",
+        "FSDP_SCRATCH_DEVICES": str(devices),
+        "FSDP_SCRATCH_SYSFS_ROOT": "/",
+    }
+    # the tasks' environment is the same dictionary
+    assert render("{{ storage_scratch_settings }}", variables) == settings
+    unit = render_template("storage", "fsdp-scratch.service.j2", variables).splitlines()
+    for line in [
+        "Before=slurmd.service",
+        "Type=oneshot",
+        "RemainAfterExit=yes",
+        "EnvironmentFile=/etc/fsdp-cluster/scratch.env",
+        "ExecStart=/usr/local/libexec/fsdp-cluster/scratch apply",
+        "WantedBy=multi-user.target",
+    ]:
+        assert line in unit
+    assert render("{{ storage_scratch_env_file }} {{ storage_scratch_unit }}", variables) == (
+        "/etc/fsdp-cluster/scratch.env fsdp-scratch.service")
+
+
+def test_a_mount_point_with_a_space_is_quoted_for_systemd(gpu_node):
+    variables = gpu_node("p4d.24xlarge", storage_scratch_mount="/mnt/my scratch")
+    env_file = render_template("storage", "scratch.env.j2", variables)
+    assert "FSDP_SCRATCH_MOUNT='/mnt/my scratch'" in env_file.splitlines()
+
+
+def test_a_scratch_name_xfs_cannot_label_is_rejected_before_anything_changes(tmp_path):
+    play = """
+- name: Validate the storage settings
+  hosts: all
+  gather_facts: false
+  tasks:
+    - name: Check storage
+      ansible.builtin.include_role:
+        name: storage
+        tasks_from: validate
+"""
+    result = run_playbook(tmp_path, play, "-e", "storage_raid_name=fsdp-scratch-0")
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert ("storage_raid_name (fsdp-scratch-0), which names the scratch md array and labels its XFS file "
+            "system, must be 1 to 12 letters, digits, '-' or '_'") in " ".join(result.stdout.split())
+    assert run_playbook(tmp_path, play, "-e", "storage_raid_name=scratch_1").returncode == 0
+
+
+def _scratch_block() -> dict:
+    tasks = yaml.safe_load((ROLES_DIR / "storage/tasks/scratch.yml").read_text())
+    return next(t for t in tasks if "block" in t)
+
+
+@pytest.mark.parametrize(
+    ("plan", "installed", "applied"),
+    [
+        ("create: RAID0 array fsdp-scratch over /dev/nvme1n1, XFS, at /scratch", True, True),
+        ("mount: RAID0 array fsdp-scratch over /dev/nvme1n1 (/dev/md127) at /scratch", True, True),
+        ("ready: /scratch is mounted from /dev/md127", True, False),
+        ("other: /scratch is mounted from /dev/nvme0n1p2, not from the instance store's", False, False),
+    ],
+)
+def test_the_role_keeps_its_own_scratch_at_boot_and_runs_what_is_needed(gpu_node, plan, installed, applied):
+    block = _scratch_block()
+    variables = {
+        **gpu_node("p4d.24xlarge"),
+        "storage_scratch_action": "own",
+        "storage_scratch_plan": {"rc": 0, "stdout": plan + "\n", "stderr": ""},
+        **{name: trust_as_template(value) for name, value in block["vars"].items()},
+    }
+    assert render("{{ " + block["when"] + " }}", variables) is installed
+    apply = next(t for t in block["block"] if t["name"] == "Build or mount the scratch file system")
+    assert render("{{ " + apply["when"] + " }}", variables) is applied
+
+
+# -------------------------------------------------------------------- the role's tasks in check mode
+CHECK_PLAY = """
+- name: The storage role in check mode
+  hosts: all
+  gather_facts: false
+  roles:
+    - role: storage
+"""
+
+
+def test_the_role_in_check_mode_asks_the_program_and_changes_nothing(tmp_path):
+    # the whole role on this machine, its hardware read from the instance-shaped tree and every tool the
+    # program calls a stand-in: the plan runs for real (read-only), nothing is written
+    store = InstanceStore(tmp_path)
+    play = tmp_path / "play.yml"
+    play.write_text(CHECK_PLAY)
+    result = subprocess.run(
+        [str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", "--check",
+         "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"fsdp_sysfs_root={store.sysfs}",
+         "-e", f"fsdp_scratch_mount={store.mount_point}", "-e", "fsdp_nvme_devices=8", str(play)],
+        cwd=REPO, env={**ansible_env(tmp_path), "PATH": f"{BIN}:{store.env['PATH']}"},
+        capture_output=True, text=True, timeout=300,
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:] + result.stderr[-2000:]
+    planned = f"create: RAID0 array fsdp-scratch over {' '.join(P4D_DEVICES)}, XFS, at {store.mount_point}"
+    assert f"msg: '{planned}'" in " ".join(out.split()), out[-3000:]  # the task's report, as YAML wraps it
+    calls = [c.split()[0] for c in (store.state / "calls").read_text().splitlines()]
+    assert set(calls) == {"findmnt", "udevadm", "blkid"}, calls  # read, never written
+    assert not store.mount_point.exists()
