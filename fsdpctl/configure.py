@@ -31,6 +31,7 @@ from fsdpctl.errors import EXIT_OK, CommandError, Interrupted, UsageError
 from fsdpctl.inventory import write_inventory
 from fsdpctl.processes import processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes
+from fsdpctl.slurm_nodes import power_up_all
 from fsdpctl.state import ClusterState, ConfigureRecord, HostRecap, TaskFailure
 
 PLAYBOOK = "site.yml"
@@ -273,6 +274,7 @@ def configure(cluster: str | None = None, *, tags: str | list[str] | None = None
     line_buffered()
     state = state_mod.resolve(cluster)
     with state.operation("configure"):
+        power_up_all(state.read(), state.spec(), say, what="configure")
         result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}))
     print_summary(result)
     if result.canceled:

@@ -58,6 +58,9 @@ def group_vars(record: ClusterRecord, spec: ClusterSpec) -> dict[str, Any]:
         "fsdp_efa_installer_sha256": software.efa_installer_sha256,
         "fsdp_nccl_version": software.nccl_version,
         "fsdp_nccl_tests_version": software.nccl_tests_version,
+        # Power saving (spec `scaling:`): ranks below this never power down; the others after idling.
+        "fsdp_static_node_count": spec.static_node_count,
+        "fsdp_suspend_after_s": spec.scaling.suspend_after_s,
     }
 
 
@@ -79,6 +82,8 @@ def host_vars(record: ClusterRecord) -> dict[str, dict[str, Any]]:
             "ansible_ssh_private_key_file": ssh.key_file,
             "ansible_ssh_common_args": shlex.join(common_args),
             "ansible_python_interpreter": "/usr/bin/python3",
+            # The power program on the controller starts and stops AWS nodes by instance id.
+            **({"instance_id": node.instance_id} if node.instance_id else {}),
         }
         for node in nodes
     }

@@ -10,7 +10,7 @@ import sys
 from argparse import Namespace
 from typing import Any
 
-from fsdpctl import remote, slurm
+from fsdpctl import remote, slurm, slurm_nodes
 from fsdpctl.console import print_json, say
 from fsdpctl.scripts import render_script
 from fsdpctl.slurm import JobRow
@@ -50,7 +50,7 @@ def logs(cluster: str | None, job_id: int) -> str:
     _state, record, _spec = remote.resolve_cluster(cluster)
     job = slurm.find_job(record, job_id)
     path = shlex.quote(job.log_file)
-    return slurm.run_slurm(record, f"cat {path} 2>/dev/null || echo '(no output yet)'").stdout
+    return slurm_nodes.run_slurm(record, f"cat {path} 2>/dev/null || echo '(no output yet)'").stdout
 
 
 def cmd_logs(args: Namespace) -> int:
@@ -61,8 +61,8 @@ def cmd_logs(args: Namespace) -> int:
     job = slurm.find_job(record, args.job)
     command = render_script("templates/follow_job_log.sh.j2", log_file=job.log_file, job_id=job.job_id)
     sys.stdout.flush()
-    return subprocess.call(remote.ssh_argv(record, remote.node_by_rank(record, slurm.slurm_rank(record)),
-                                           command))
+    node = remote.node_by_rank(record, slurm_nodes.slurm_rank(record))
+    return subprocess.call(remote.ssh_argv(record, node, command))
 
 
 def cancel(cluster: str | None, job_id: int) -> None:

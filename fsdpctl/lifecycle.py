@@ -15,22 +15,20 @@ import time
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from fsdpctl import slurm_nodes, targets
 from fsdpctl import state as state_mod
-from fsdpctl import targets
 from fsdpctl.configure import stop_orphaned_playbooks
 from fsdpctl.console import confirm, line_buffered, print_json, say, warn
 from fsdpctl.errors import CommandError, UsageError, missing_package
 from fsdpctl.inventory import write_inventory
 from fsdpctl.plan.cost import amount_text
+from fsdpctl.slurm_nodes import NodeState
 from fsdpctl.state import ClusterRecord, ClusterState, ConfigureRecord, Exclusion, Node, Target
 from infra.spec import ClusterSpec, load_spec
-
-if TYPE_CHECKING:
-    from fsdpctl.slurm import NodeState
 
 
 @contextlib.contextmanager
@@ -287,8 +285,6 @@ def _slurm_nodes(record: ClusterRecord,
                  problems: list[str] | None) -> tuple[dict[str, NodeState] | None, str | None]:
     """(each node as Slurm sees it, by name, or None where Slurm is not installed; None) once every
     node answered the live check, else (None, why Slurm was not asked); (None, None) without nodes."""
-    from fsdpctl import slurm
-
     if not record.nodes:
         return None, None
     if problems is None:
@@ -296,19 +292,24 @@ def _slurm_nodes(record: ClusterRecord,
     if problems:
         return None, "not every node answers"
     try:
-        return slurm.node_states(record), None
+        return slurm_nodes.node_states(record), None
     except (CommandError, UsageError) as e:
         return None, str(e)
 
 
-def _print_slurm_nodes(slurm_nodes: dict[str, NodeState] | None, not_asked: str | None) -> None:
-    """How many nodes Slurm runs jobs on, and each other one's state and reason (a drain's)."""
+def _print_slurm_nodes(nodes: dict[str, NodeState] | None, not_asked: str | None) -> None:
+    """How many nodes Slurm runs jobs on, how many power saving stopped, and each other one's state and
+    reason (a drain's)."""
     if not_asked is not None:
         say(f"slurm: not asked ({not_asked})")
-    if not slurm_nodes:
+    if not nodes:
         return
-    out_of_service = [n for n in slurm_nodes.values() if not n.in_service]
-    say(f"slurm: {len(slurm_nodes) - len(out_of_service)} of {len(slurm_nodes)} node(s) in service")
+    power_saved = [n.name for n in nodes.values() if n.power_saved]
+    out_of_service = [n for n in nodes.values() if not n.in_service and not n.power_saved]
+    in_service = len(nodes) - len(out_of_service) - len(power_saved)
+    say(f"slurm: {in_service} of {len(nodes)} node(s) in service"
+        + (f"; powered down while idle (a job's need powers them up): {', '.join(power_saved)}"
+           if power_saved else ""))
     for node in out_of_service:
         say(f"  {node.name} {node.state}: {node.reason or 'no reason given'}")
     if out_of_service:
@@ -368,8 +369,6 @@ def cmd_status(args: Namespace) -> int:
     if record.shared_dir:
         say(f"shared dir on every node: {record.shared_dir}")
     _print_nodes(record)
-    from fsdpctl.slurm import NodeState
-
     seen = {n.name: NodeState(n.name, n.slurm_state, n.slurm_reason) for n in summary.node_list
             if n.slurm_state is not None}
     _print_slurm_nodes(seen or None, summary.slurm_not_asked)
@@ -452,16 +451,14 @@ def cmd_exclude(args: Namespace) -> int:
 def _slurm_node(state: ClusterState, record: ClusterRecord, node_name: str, *, drain_reason: str | None
                 ) -> None:
     """Drain a node in Slurm (`exclude`), or return it to service (`replace`), where Slurm runs."""
-    from fsdpctl import slurm
-
     try:
-        if not slurm.slurm_configured(record):
+        if not slurm_nodes.slurm_configured(record):
             return
         if drain_reason is not None:
-            slurm.drain(record, node_name, f"fsdpctl exclude: {drain_reason}")
+            slurm_nodes.drain(record, node_name, f"fsdpctl exclude: {drain_reason}")
             say(f"drained {node_name} in Slurm (running jobs finish, no new ones start there)")
         else:
-            if slurm.run_slurm(record, f"scontrol show node {node_name}", check=False).returncode:
+            if slurm_nodes.run_slurm(record, f"scontrol show node {node_name}", check=False).returncode:
                 # A configure while the node was excluded wrote slurm.conf without it: add it back
                 # on every node.
                 from fsdpctl.configure import run_configure
@@ -469,7 +466,7 @@ def _slurm_node(state: ClusterState, record: ClusterRecord, node_name: str, *, d
                 say(f"Slurm does not know {node_name}: `fsdpctl configure --tags slurm` on every node")
                 if not run_configure(state, tags="slurm").ok:
                     raise CommandError("`fsdpctl configure --tags slurm` failed; run it again")
-            slurm.resume(record, node_name)
+            slurm_nodes.resume(record, node_name)
             say(f"{node_name} is back in service in Slurm")
     except CommandError as e:
         warn(f"Slurm did not take the change for {node_name}: {e}")

@@ -38,8 +38,9 @@ from pathlib import Path
 from fsdpctl import remote
 from fsdpctl.checks.context import nproc_per_node
 from fsdpctl.deploy import deployed_venv
-from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.errors import UsageError
 from fsdpctl.scripts import render_script
+from fsdpctl.slurm_nodes import SLURM_TIMEOUT_S, run_slurm, slurm_rank
 from fsdpctl.state import ClusterRecord
 from infra.spec import ClusterSpec
 
@@ -53,7 +54,6 @@ JOBS_DIR = "fsdp-cluster/jobs"
 """Under the cluster's shared directory."""
 NCCL_ENV_FILE = "/etc/fsdp-cluster/nccl.env"
 """The nccl role's environment file (absent where the role skipped, e.g. local nodes)."""
-SLURM_TIMEOUT_S = 30
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")
 
@@ -138,68 +138,6 @@ class JobRow:
     @property
     def log_file(self) -> str:
         return f"{self.job_dir}/slurm-{self.job_id}.out"
-
-
-IN_SERVICE = {"idle", "allocated", "mixed", "completing", "reserved", "planned"}
-"""Node states in which a node runs or takes jobs."""
-
-
-@dataclass(frozen=True)
-class NodeState:
-    """A node as Slurm sees it (sinfo)."""
-
-    name: str
-    state: str
-    """sinfo's extended state: idle, allocated, mixed, drained, draining, down, ... (a trailing `*`:
-    slurmctld gets no answer from its slurmd)."""
-    reason: str | None
-    """Why it was drained or went down (`health (prolog): ...`, `fsdpctl exclude: ...`), if it was."""
-
-    @property
-    def in_service(self) -> bool:
-        return self.state in IN_SERVICE
-
-
-def slurm_rank(record: ClusterRecord) -> int:
-    """The node the Slurm commands run on: the first non-excluded node (every node has the client)."""
-    nodes = remote.cluster_nodes(record)
-    if not nodes:
-        raise UsageError(f"cluster {record.name} has no (non-excluded) nodes: run `fsdpctl up` first")
-    return nodes[0].rank
-
-
-def run_slurm(record: ClusterRecord, command: str, *, check: bool = True, timeout: float = SLURM_TIMEOUT_S):
-    """A Slurm (or any) command on the cluster's first node; a missing Slurm says how to install it."""
-    result = remote.run(record, slurm_rank(record), command, timeout=timeout, check=False)
-    if result.returncode == 127 or "command not found" in (result.stderr or ""):
-        raise CommandError(f"Slurm is not installed on cluster {record.name}: run "
-                           "`fsdpctl configure --tags slurm` first (docs/slurm.md)")
-    if check and result.returncode:
-        output = (result.stderr or result.stdout).strip()[-800:]
-        raise CommandError(f"`{command}` on cluster {record.name} exited {result.returncode}: {output}. Is "
-                           "Slurm configured (`fsdpctl configure --tags slurm`; `fsdpctl ssh 0 -- sinfo`)?")
-    return result
-
-
-def slurm_status(record: ClusterRecord) -> tuple[bool, str]:
-    """(whether slurmctld answers, why not): the reason is empty where Slurm is not installed at all
-    (a cluster configured without the slurm role), and says what `scontrol ping` saw otherwise."""
-    try:
-        result = remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
-    except UsageError:
-        return False, ""
-    if result.returncode == 0 and " is UP" in result.stdout:
-        return True, ""
-    if result.returncode == 127:  # no scontrol on the node
-        return False, ""
-    seen = (result.stdout + result.stderr).strip().splitlines()
-    last = seen[-1] if seen else f"exit {result.returncode}"
-    return False, f"slurmctld does not answer (`scontrol ping`: {last})"
-
-
-def slurm_configured(record: ClusterRecord) -> bool:
-    """Whether slurmctld answers (the smoke checks then run as Slurm jobs)."""
-    return slurm_status(record)[0]
 
 
 def jobs_root(record: ClusterRecord) -> str:
@@ -353,45 +291,6 @@ def job_state(record: ClusterRecord, job_id: int) -> str | None:
 def cancel(record: ClusterRecord, job_id: int) -> None:
     find_job(record, job_id)
     run_slurm(record, f"scancel {job_id}")
-
-
-def drain(record: ClusterRecord, node_name: str, reason: str) -> None:
-    """Take a node out of scheduling (running jobs finish; none start)."""
-    run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=DRAIN "
-              f"reason={shlex.quote(reason)}")
-
-
-def resume(record: ClusterRecord, node_name: str) -> None:
-    """Return a node to service (after `fsdpctl replace`)."""
-    result = run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=RESUME", check=False)
-    # A node that is not drained or down is already in service: nothing to undo.
-    if result.returncode and "Invalid node state specified" not in result.stderr:
-        raise CommandError(f"returning {node_name} to service in Slurm failed: {result.stderr.strip()}")
-
-
-def parse_node_states(sinfo_output: str) -> dict[str, NodeState]:
-    """Nodes by name from `sinfo --noheader --Node --format '%N|%T|%E'` (a node in two partitions is
-    listed twice; "none" is sinfo's word for no reason)."""
-    nodes = {}
-    for line in sinfo_output.splitlines():
-        name, _, rest = line.strip().partition("|")
-        value, _, reason = rest.partition("|")
-        if name and value:
-            nodes[name] = NodeState(name=name, state=value, reason=None if reason in ("", "none") else reason)
-    return nodes
-
-
-def node_states(record: ClusterRecord) -> dict[str, NodeState] | None:
-    """Every node as Slurm sees it, by name; None where Slurm is not installed. A CommandError where
-    slurmctld does not answer."""
-    result = remote.run(record, slurm_rank(record), "sinfo --noheader --Node --format '%N|%T|%E'",
-                        timeout=SLURM_TIMEOUT_S, check=False)
-    if result.returncode == 127:
-        return None
-    if result.returncode:
-        seen = (result.stderr or result.stdout).strip().splitlines()
-        raise CommandError(f"`sinfo` exited {result.returncode}: {seen[-1] if seen else 'no output'}")
-    return parse_node_states(result.stdout)
 
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",

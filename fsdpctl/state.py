@@ -177,6 +177,11 @@ class LocalRecord(_Record):
     rootfs: str
     shared_host_dir: str
     nodes: list[LocalNode]
+    power_agent_pid: int | None = None
+    """The power agent (fsdpctl.targets.local.power) of a cluster with power saving: it boots and
+    stops nodes when Slurm asks. `down` stops it first."""
+    powered_down: list[int] = []
+    """Ranks the power agent stopped because Slurm powered them down (not a fault)."""
 
 
 class ClusterRecord(_Record):

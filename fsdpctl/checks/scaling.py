@@ -30,6 +30,7 @@ from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_metrics
 from fsdpctl.console import say, stage
 from fsdpctl.deploy import DeployError
 from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.slurm_nodes import power_up_all
 from fsdpctl.state import ClusterRecord, ClusterState
 from infra.spec import ClusterSpec
 
@@ -224,6 +225,7 @@ def cmd_scale_test(args) -> int:
                            "steps; use e.g. --steps 20")
     try:
         with remote.cluster_operation(args.cluster, "scale-test") as (state, record, spec):
+            power_up_all(record, spec, say, what="scale-test")
             result, paths = run_scaling(state, record, spec, steps=args.steps)
     except (CheckError, DeployError) as e:
         raise CommandError(f"scale test of cluster {record.name!r} failed: {e}\nFix the cause and rerun "

@@ -51,7 +51,7 @@ from fsdpctl.checks.training import FsdpResult, check_fsdp, check_recovery
 from fsdpctl.console import Out, say, stage
 from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
-from fsdpctl.slurm import slurm_status
+from fsdpctl.slurm_nodes import power_up_all, slurm_status
 from fsdpctl.state import ClusterRecord, ClusterState
 from infra.spec import ClusterSpec
 
@@ -170,6 +170,7 @@ def smoke(cluster: str | None = None, *, skip: list[str] | None = None, steps: i
     written all the same) or the checks could not run."""
     try:
         with remote.cluster_operation(cluster, "smoke") as (state, record, spec):
+            power_up_all(record, spec, say, what="smoke")
             report = run_smoke(state, record, spec, skip=skip, steps=steps)
     except CheckError as e:
         raise CommandError(f"smoke test of cluster {record.name!r} could not run: {e}") from None

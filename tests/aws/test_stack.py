@@ -588,3 +588,17 @@ def test_status_and_list_show_the_expiry_and_whether_it_passed(fsdpctl_home, tmp
     lifecycle.cmd_list(argparse.Namespace(json=True))
     [row] = json.loads(capsys.readouterr().out)
     assert row["expires_at"] == "2020-01-01T00:00:00Z" and row["expired"] is True
+
+
+def test_status_counts_a_node_stopped_by_power_saving_as_healthy(aws, fsdpctl_home, tmp_path):
+    spec = make_spec(scaling={"min_nodes": 1})
+    state = new_state(tmp_path, spec)
+    ami = seed_image("x86_64", "dlami")
+    ids = [i["InstanceId"] for i in aws.ec2.run_instances(
+        ImageId=ami, InstanceType="t3.micro", MinCount=2, MaxCount=2)["Instances"]]
+    aws.ec2.stop_instances(InstanceIds=ids)
+    outputs = {**OUTPUTS, "nodes": [{**node, "instance_id": ids[node["rank"]]} for node in OUTPUTS["nodes"]]}
+    stack.state_from_outputs(spec, outputs, key_file=tmp_path / "k",
+                             known_hosts=tmp_path / "kh").record(state)
+    # node1 is Slurm's to stop and start; node0 runs the controller and must run.
+    assert stack.health(state) == [f"pf-node0: instance {ids[0]} is stopped"]

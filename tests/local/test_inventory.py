@@ -13,7 +13,7 @@ import pytest
 from fsdpctl import remote
 from fsdpctl import state as state_mod
 from fsdpctl.errors import CommandError
-from fsdpctl.inventory import build_inventory, render_ini, write_inventory
+from fsdpctl.inventory import build_inventory, group_vars, render_ini, write_inventory
 from tests.local.conftest import fsdpctl, spec_file
 
 BASTION = "ubuntu@203.0.113.10"
@@ -71,8 +71,11 @@ def test_local_inventory_has_nodes_ranks_and_contract_vars(home, tmp_path):
                 "fsdp_fsx_mount_name", "fsdp_fsx_mount_point", "fsdp_region", "fsdp_checkpoint_bucket",
                 "fsdp_nvidia_driver_branch", "fsdp_cuda_version", "fsdp_gdrcopy_version",
                 "fsdp_efa_installer_version", "fsdp_efa_installer_sha256", "fsdp_nccl_version",
-                "fsdp_nccl_tests_version"}
+                "fsdp_nccl_tests_version", "fsdp_static_node_count", "fsdp_suspend_after_s"}
     assert set(v) == contract
+    # a fixed cluster: every node static; local nodes have no instance id
+    assert (v["fsdp_static_node_count"], v["fsdp_suspend_after_s"]) == (2, 600)
+    assert "instance_id" not in node1
 
 
 def test_aws_inventory_goes_through_the_bastion_and_leaves_excluded_nodes_out(home, tmp_path):
@@ -87,6 +90,16 @@ def test_aws_inventory_goes_through_the_bastion_and_leaves_excluded_nodes_out(ho
     assert (v["fsdp_target"], v["fsdp_offline"], v["fsdp_fsx_enabled"]) == ("aws", False, True)
     assert v["fsdp_fsx_dns_name"] == "fs-0123.fsx.us-east-1.amazonaws.com"
     assert v["fsdp_fsx_mount_name"] == "abcdefgh" and v["fsdp_checkpoint_bucket"] == "inv-aws-checkpoints"
+    # the controller's power program starts and stops nodes by instance id
+    assert group["hosts"]["inv-aws-node1"]["instance_id"] == "i-00000000000000001"
+
+
+def test_an_elastic_cluster_tells_the_roles_which_ranks_stay_on_and_how_long_others_idle(home, tmp_path):
+    spec_path = spec_file(tmp_path, "inv-elastic", node_count=4, capacity={"all_or_nothing": False},
+                          scaling={"min_nodes": 2, "suspend_after_s": 900})
+    state = state_mod.create(spec_path, state_mod.load_spec(spec_path), "aws")
+    v = group_vars(state.read(), state.spec())
+    assert (v["fsdp_static_node_count"], v["fsdp_suspend_after_s"]) == (2, 900)
 
 
 def test_ssh_uses_the_bastion_as_proxy(home, tmp_path):

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdpctl import slurm
+from fsdpctl import slurm, slurm_nodes
 from fsdpctl.errors import UsageError
 from fsdpctl.targets.local import rootfs
-from tests.ansible.conftest import ROLES_DIR, detect_hardware, node_variables, render_template, sysfs_tree
+from tests.ansible.conftest import ROLES_DIR, render_template
 from tests.stand_ins import stand_in_commands
 
 DEFAULTS = yaml.safe_load((ROLES_DIR / "slurm/defaults/main.yml").read_text())
@@ -72,23 +72,6 @@ def test_requeue_exit_matches_the_role():
 
 def test_node_image_carries_the_role_packages():
     assert set(DEFAULTS["slurm_packages"]) <= set(rootfs.image_packages())
-
-
-@pytest.fixture
-def p4d_node(tmp_path):
-    hardware = detect_hardware(sysfs_tree(tmp_path / "sysfs", "p4d.24xlarge"))
-    line = ("NodeName={host} CPUs=96 Boards=1 SocketsPerBoard=2 CoresPerSocket=24 ThreadsPerCore=2 "
-            "RealMemory=1160000\n{gpus}")
-
-    def make(**overrides):
-        variables = node_variables(tmp_path / "state", "p4d.24xlarge", hardware)
-        hosts = variables["groups"]["nodes"]
-        results = [{"item": h, "stdout": line.format(host=h, gpus=8 - 8 * i),
-                    "stdout_lines": line.format(host=h, gpus=8 - 8 * i).splitlines()}
-                   for i, h in enumerate(hosts)]
-        return {**variables, "slurm_hardware": {"results": results}, "slurm_use_cgroup": True, **overrides}
-
-    return make
 
 
 def test_slurm_conf_from_inventory_and_hardware(p4d_node):
@@ -216,11 +199,11 @@ SINFO = ("st-node0|idle|none\n"
 
 
 def test_sinfo_rows_become_typed_node_states():
-    nodes = slurm.parse_node_states(SINFO + "st-node0|idle|none\n")  # a node in two partitions: once
+    nodes = slurm_nodes.parse_node_states(SINFO + "st-node0|idle|none\n")  # a node in two partitions: once
     assert list(nodes) == ["st-node0", "st-node1"]
-    assert nodes["st-node0"] == slurm.NodeState(name="st-node0", state="idle", reason=None)
+    assert nodes["st-node0"] == slurm_nodes.NodeState(name="st-node0", state="idle", reason=None)
     assert nodes["st-node0"].in_service and not nodes["st-node1"].in_service
-    assert not slurm.parse_node_states("st-node0|idle*|Not responding\n")["st-node0"].in_service
+    assert not slurm_nodes.parse_node_states("st-node0|idle*|Not responding\n")["st-node0"].in_service
 
 
 @pytest.fixture
@@ -258,6 +241,18 @@ def test_status_shows_why_slurm_drained_a_node(status_of):
     assert [(n["slurm_state"], n["slurm_reason"]) for n in status["node_list"]] == [
         ("idle", None), ("drained", "health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors")]
     assert status["slurm_not_asked"] is None
+
+
+def test_status_counts_a_node_power_saving_stopped_apart_from_the_faulty_ones(status_of):
+    text, status = status_of(0, "st-node0|idle|none\nst-node1|idle~|none\n")
+    assert ("slurm: 1 of 2 node(s) in service; powered down while idle (a job's need powers them up): "
+            "st-node1\n") in text
+    assert "state=resume" not in text
+    assert [n["slurm_state"] for n in status["node_list"]] == ["idle", "idle~"]
+    # a node whose power-up failed is down, with the reason, and not counted as resting
+    text, _ = status_of(0, "st-node0|idle|none\nst-node1|down~|power resume: InsufficientInstanceCapacity\n")
+    assert ("slurm: 1 of 2 node(s) in service\n"
+            "  st-node1 down~: power resume: InsufficientInstanceCapacity") in text
 
 
 def test_status_says_when_it_could_not_ask_slurm_and_is_silent_without_it(status_of):

@@ -675,6 +675,10 @@ def expiry_failures(aws: AwsClients, cluster: str, queue_url: str | None) -> lis
             f"or run `fsdpctl down --cluster {cluster}`"]
 
 
+POWER_SAVING_STATES = ("pending", "stopping", "stopped")
+"""EC2 states of a node Slurm powers down or up."""
+
+
 def health(state: ClusterState) -> list[str]:
     """Expiry calls that failed, nodes whose instance is not running, or that do not answer over
     SSH."""
@@ -683,9 +687,12 @@ def health(state: ClusterState) -> list[str]:
     record = state.read()
     if not record.nodes or record.ssh is None:
         return ["the cluster never finished coming up"]
-    aws = AwsClients.for_spec(state.spec())
+    spec = state.spec()
+    aws = AwsClients.for_spec(spec)
     expiry = expiry_failures(aws, state.name, record.expiry_queue_url)
     nodes = record.active_nodes()
+    # Slurm's power saving stops and starts these (docs/slurm.md): stopped is not a fault there.
+    elastic = {n.rank for n in nodes if spec.power_saving and n.rank >= spec.static_node_count}
     ids = [n.instance_id for n in nodes if n.instance_id]
     states = {}
     try:
@@ -696,11 +703,13 @@ def health(state: ClusterState) -> list[str]:
         for instance in reservation["Instances"]:
             states[instance["InstanceId"]] = instance["State"]["Name"]
     problems = [f"{n.name}: instance {n.instance_id} is {states.get(n.instance_id, 'gone')}"
-                for n in nodes if states.get(n.instance_id) != "running"]
+                for n in nodes if states.get(n.instance_id) != "running"
+                and not (n.rank in elastic and states.get(n.instance_id) in POWER_SAVING_STATES)]
     if problems:
         return expiry + problems
     names = {n.rank: n.name for n in record.nodes}
-    results = run_all(state, "true", timeout=30, check=False)
+    running = [n.rank for n in nodes if states.get(n.instance_id) == "running"]
+    results = run_all(state, "true", ranks=running, timeout=30, check=False)
     return expiry + [f"{names[rank]}: ssh failed: {r.stderr.strip()[-200:]}" for rank, r in results.items()
                      if r.returncode]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from fsdpctl.console import Out
 from fsdpctl.state import ClusterState
-from fsdpctl.targets.local import nodes
+from fsdpctl.targets.local import nodes, power
 from fsdpctl.targets.local.host import require_host
 from infra.spec import ClusterSpec
 
@@ -24,11 +24,14 @@ def up(state: ClusterState, spec: ClusterSpec, *, node_count: int, approve: Call
        out: Out) -> None:
     del approve  # local nodes cost nothing
     nodes.up(state, spec, node_count, out)
+    if spec.power_saving:
+        power.start(state, out)
 
 
 def down(state: ClusterState, spec: ClusterSpec, *, force: bool, out: Out) -> None:
     del spec, force  # everything local is recorded before it is made: there is nothing to sweep for
     require_host("fsdpctl down (local target)")
+    power.stop(state, out)  # first: it would boot a node again if Slurm asked in the meantime
     nodes.down(state, out)
 
 

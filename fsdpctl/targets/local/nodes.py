@@ -19,6 +19,7 @@ directories they run from, not by pids that a killed run may never have written.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import ipaddress
 import os
@@ -184,8 +185,7 @@ def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
     layer = node_layer()
     if layer is not None:
         _sh("cp", "-a", "--", f"{layer}/.", str(base / "upper"))
-    _sh("mount", "-t", "overlay", "overlay", "-o",
-        f"lowerdir={plan.rootfs},upperdir={base / 'upper'},workdir={base / 'work'}", str(node.root))
+    _mount_root(node, plan)
     root = node.root
     prefix = ipaddress.ip_network(plan.subnet).prefixlen
     _write(root / "etc/hostname", f"{node.name}\n")
@@ -202,6 +202,18 @@ def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
     return " ".join(host_key.with_suffix(".pub").read_text().split()[:2])
 
 
+def _mount_root(node: LocalNode, plan: LocalRecord) -> None:
+    """The node's root: its own upper directory over the shared read-only image."""
+    base = Path(node.dir)
+    mounted = _sh("mount", "-t", "overlay", "overlay", "-o",
+                  f"lowerdir={plan.rootfs},upperdir={base / 'upper'},workdir={base / 'work'}", str(node.root),
+                  check=False)
+    if mounted.returncode:
+        why = (mounted.stderr.strip() or f"exit {mounted.returncode}").splitlines()[0]
+        raise CommandError(f"{node.name}: its root file system (an overlay on {plan.rootfs}) could not be "
+                           f"mounted: {why}")
+
+
 def node_layer() -> Path | None:
     """The directory named by FSDPCTL_LOCAL_NODE_LAYER (copied onto every node), if set."""
     value = os.environ.get(LAYER_ENV, "").strip()
@@ -212,6 +224,21 @@ def node_layer() -> Path | None:
         raise UsageError(f"{LAYER_ENV}={value!r} is not an absolute path to a directory: give the directory "
                          "whose tree every local node gets on top of its image, or unset the variable")
     return layer
+
+
+CLONE_NEWTIME = 0x80
+
+
+def _own_boot_clock() -> None:
+    """In the child, before it execs nspawn: a new time namespace whose boot clock reads zero now, so
+    the node's uptime starts at its boot, as a machine's does, not at the host's. Slurm takes a
+    powered-up node back only once the boot time its slurmd reports (now - uptime) is after the
+    power-up request."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWTIME):
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME) failed")
+    seconds, nanoseconds = divmod(-time.clock_gettime_ns(time.CLOCK_BOOTTIME), 10**9)
+    Path("/proc/self/timens_offsets").write_text(f"boottime {seconds} {nanoseconds}\n")
 
 
 def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:
@@ -227,7 +254,7 @@ def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:
     with open(Path(node.dir) / "nspawn.log", "w") as log:
         # Its own session: a Ctrl-C at the terminal goes to fsdpctl, which then shuts nodes down in order.
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_own_boot_clock)
     _write(Path(node.dir) / "nspawn.pid", f"{proc.pid}\n")
     return proc
 
@@ -416,18 +443,46 @@ def replace_node(state: ClusterState, rank: int, progress: Out = print) -> None:
     _wait_booted(new, record.ssh, proc, deadline, progress)
 
 
+def power_off(plan: LocalRecord, node: LocalNode, progress: Out) -> list[str]:
+    """Stop one node as a shutdown would (Slurm powered it down): its processes, link and mounts go,
+    its files stay for `power_on`. Returns what of it is still there."""
+    return _stop_nodes(plan.model_copy(update={"nodes": [node]}), progress)
+
+
+def power_on(plan: LocalRecord, node: LocalNode) -> subprocess.Popen:
+    """Boot a powered-off node again from its own files (same identity, keys and configuration);
+    returns once its network link is up, while it boots."""
+    if not node.root.is_mount():
+        _mount_root(node, plan)
+    # Slurm takes a powered-up node back only if the boot time its slurmd reports (in whole seconds:
+    # now minus the uptime rounded up) is not before the power-up request. A machine takes minutes;
+    # a local node boots within the same second, so it starts on the next whole second.
+    time.sleep(1 - time.time() % 1)
+    proc = _start_node(node, plan)
+    _attach_veth(node, plan, proc, time.monotonic() + BOOT_TIMEOUT_S)
+    return proc
+
+
+def running_ranks(plan: LocalRecord) -> set[int]:
+    """Ranks whose systemd-nspawn runs."""
+    commands = [cmd for cmd in _processes_of(plan).values() if cmd.startswith("systemd-nspawn")]
+    return {n.rank for n in plan.nodes if any(f" {n.root} " in f" {c} " for c in commands)}
+
+
 def health(state: ClusterState) -> list[str]:
     """Problems that make the cluster unusable (an empty list means every node answers over SSH)."""
     record = state.read()
     plan = record.local
     if plan is None or not record.nodes:
         return ["the cluster never finished coming up"]
-    running = {cmd for cmd in _processes_of(plan).values() if cmd.startswith("systemd-nspawn")}
+    running = running_ranks(plan)
+    # A node the power agent stopped for Slurm is powered down, not missing.
     problems = [f"{n.name}: not running" for n in plan.nodes
-                if not any(f" {n.root} " in f" {c} " for c in running)]
+                if n.rank not in running and n.rank not in plan.powered_down]
     if problems:
         return problems
-    results = run_all(state, "true", timeout=20, check=False)
+    results = run_all(state, "true", ranks=[n.rank for n in record.active_nodes() if n.rank in running],
+                      timeout=20, check=False)
     names = {n.rank: n.name for n in record.nodes}
     return [f"{names[rank]}: ssh failed: {r.stderr.strip()[-200:]}"
             for rank, r in results.items() if r.returncode]

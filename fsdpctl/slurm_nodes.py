@@ -1,0 +1,188 @@
+"""The cluster's nodes as Slurm sees them: a Slurm command run on the cluster, each node's state and
+why it is drained or down, drain and resume, and powering up the nodes power saving stopped.
+
+`configure`, `deploy` and `smoke` change or test every node, and a node Slurm powered down (the
+spec's `scaling:`, docs/slurm.md "Power saving") is neither reachable nor up to date after it: it
+would come back without what changed meanwhile. So these commands first ask Slurm to power such
+nodes up (`scontrol update state=power_up`, which runs the same resume program a job's need would)
+and wait until every one answers. They bill while they run, and Slurm powers them down again after
+`scaling.suspend_after_s` idle.
+
+A leaf below fsdpctl.slurm (the jobs): it needs only SSH to the nodes, so `deploy` may use it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass
+
+from fsdpctl import remote
+from fsdpctl.console import Out
+from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.state import ClusterRecord
+from infra.spec import ClusterSpec
+
+SLURM_TIMEOUT_S = 30
+
+IN_SERVICE = {"idle", "allocated", "mixed", "completing", "reserved", "planned"}
+"""Node states in which a node runs or takes jobs."""
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node as Slurm sees it (sinfo)."""
+
+    name: str
+    state: str
+    """sinfo's extended state: idle, allocated, mixed, drained, draining, down, ... (a trailing `*`:
+    slurmctld gets no answer from its slurmd)."""
+    reason: str | None
+    """Why it was drained or went down (`health (prolog): ...`, `fsdpctl exclude: ...`), if it was."""
+
+    @property
+    def in_service(self) -> bool:
+        return self.state in IN_SERVICE
+
+    @property
+    def powered_down(self) -> bool:
+        """Power saving stopped the node (`idle~`); a pending job's need powers it up."""
+        return self.state.endswith("~")
+
+    @property
+    def powering(self) -> bool:
+        """On its way up (`#`) or down (`%`)."""
+        return self.state.endswith(("#", "%"))
+
+    @property
+    def power_saved(self) -> bool:
+        """Powered down, or on its way up or down, by power saving and nothing else: not a fault."""
+        return (self.powered_down or self.powering) and not self.state.startswith(("down", "drain", "fail"))
+
+
+def slurm_rank(record: ClusterRecord) -> int:
+    """The node the Slurm commands run on: the first non-excluded node (every node has the client)."""
+    nodes = remote.cluster_nodes(record)
+    if not nodes:
+        raise UsageError(f"cluster {record.name} has no (non-excluded) nodes: run `fsdpctl up` first")
+    return nodes[0].rank
+
+
+def run_slurm(record: ClusterRecord, command: str, *, check: bool = True, timeout: float = SLURM_TIMEOUT_S):
+    """A Slurm (or any) command on the cluster's first node; a missing Slurm says how to install it."""
+    result = remote.run(record, slurm_rank(record), command, timeout=timeout, check=False)
+    if result.returncode == 127 or "command not found" in (result.stderr or ""):
+        raise CommandError(f"Slurm is not installed on cluster {record.name}: run "
+                           "`fsdpctl configure --tags slurm` first (docs/slurm.md)")
+    if check and result.returncode:
+        output = (result.stderr or result.stdout).strip()[-800:]
+        raise CommandError(f"`{command}` on cluster {record.name} exited {result.returncode}: {output}. Is "
+                           "Slurm configured (`fsdpctl configure --tags slurm`; `fsdpctl ssh 0 -- sinfo`)?")
+    return result
+
+
+def slurm_status(record: ClusterRecord) -> tuple[bool, str]:
+    """(whether slurmctld answers, why not): the reason is empty where Slurm is not installed at all
+    (a cluster configured without the slurm role), and says what `scontrol ping` saw otherwise."""
+    try:
+        result = remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
+    except UsageError:
+        return False, ""
+    if result.returncode == 0 and " is UP" in result.stdout:
+        return True, ""
+    if result.returncode == 127:  # no scontrol on the node
+        return False, ""
+    seen = (result.stdout + result.stderr).strip().splitlines()
+    last = seen[-1] if seen else f"exit {result.returncode}"
+    return False, f"slurmctld does not answer (`scontrol ping`: {last})"
+
+
+def slurm_configured(record: ClusterRecord) -> bool:
+    """Whether slurmctld answers (the smoke checks then run as Slurm jobs)."""
+    return slurm_status(record)[0]
+
+
+def drain(record: ClusterRecord, node_name: str, reason: str) -> None:
+    """Take a node out of scheduling (running jobs finish; none start)."""
+    run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=DRAIN "
+              f"reason={shlex.quote(reason)}")
+
+
+def resume(record: ClusterRecord, node_name: str) -> None:
+    """Return a node to service (after `fsdpctl replace`)."""
+    result = run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=RESUME", check=False)
+    # A node that is not drained or down is already in service: nothing to undo.
+    if result.returncode and "Invalid node state specified" not in result.stderr:
+        raise CommandError(f"returning {node_name} to service in Slurm failed: {result.stderr.strip()}")
+
+
+def parse_node_states(sinfo_output: str) -> dict[str, NodeState]:
+    """Nodes by name from `sinfo --noheader --Node --format '%N|%T|%E'` (a node in two partitions is
+    listed twice; "none" is sinfo's word for no reason)."""
+    nodes = {}
+    for line in sinfo_output.splitlines():
+        name, _, rest = line.strip().partition("|")
+        value, _, reason = rest.partition("|")
+        if name and value:
+            nodes[name] = NodeState(name=name, state=value, reason=None if reason in ("", "none") else reason)
+    return nodes
+
+
+def node_states(record: ClusterRecord) -> dict[str, NodeState] | None:
+    """Every node as Slurm sees it, by name; None where Slurm is not installed. A CommandError where
+    slurmctld does not answer."""
+    result = remote.run(record, slurm_rank(record), "sinfo --noheader --Node --format '%N|%T|%E'",
+                        timeout=SLURM_TIMEOUT_S, check=False)
+    if result.returncode == 127:
+        return None
+    if result.returncode:
+        seen = (result.stderr or result.stdout).strip().splitlines()
+        raise CommandError(f"`sinfo` exited {result.returncode}: {seen[-1] if seen else 'no output'}")
+    return parse_node_states(result.stdout)
+
+
+POWER_UP_TIMEOUT_S = 900
+"""At most Slurm's ResumeTimeout (600 s by default) plus a SuspendTimeout for a node that was on its
+way down."""
+POLL_S = 2.0
+
+
+def power_up_all(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: str) -> None:
+    """Power up every node Slurm powered down, and wait until all are in service; a CommandError
+    naming the nodes that did not come (with Slurm's reason) and how to go on without them."""
+    if not spec.power_saving:
+        return
+    if not slurm_configured(record):  # before the first configure: nothing is powered down
+        return
+    states = node_states(record) or {}
+    waiting = sorted(name for name, node in states.items() if node.powered_down or node.powering)
+    if not waiting:
+        return
+    out(f"{what}: powering up {', '.join(waiting)} (Slurm powered them down while idle); they power "
+        "down again once idle")
+    asked: set[str] = set()
+    seen_powering: set[str] = set()
+    deadline = time.monotonic() + POWER_UP_TIMEOUT_S
+    while True:
+        states = node_states(record) or {}
+        # A node on its way down can be powered up only once it is down (after SuspendTimeout).
+        down_now = sorted(n for n in waiting if states[n].powered_down and n not in asked)
+        if down_now:
+            run_slurm(record, f"scontrol update nodename={','.join(down_now)} state=power_up")
+            asked.update(down_now)
+        seen_powering.update(n for n in asked if states[n].powering)
+        # The resume program sets a node it cannot start DOWN; Slurm then powers it down again.
+        failed = {n: states[n] for n in asked if not states[n].powering and (
+            states[n].state.startswith("down") or (states[n].powered_down and n in seen_powering))}
+        if failed:
+            reasons = "; ".join(f"{n}: {s.reason or s.state}" for n, s in failed.items())
+            raise CommandError(f"{what}: could not power up {reasons}. Run `fsdpctl {what}` again once "
+                               "they can start, or leave them out with `fsdpctl exclude RANK`")
+        if all(states[n].in_service for n in waiting):
+            out(f"{what}: {', '.join(waiting)} powered up")
+            return
+        if time.monotonic() > deadline:
+            left = ", ".join(f"{n} ({states[n].state})" for n in waiting if not states[n].in_service)
+            raise CommandError(f"{what}: {left} did not power up within {POWER_UP_TIMEOUT_S} s; see "
+                               "`fsdpctl status`, then run it again or `fsdpctl exclude RANK`")
+        time.sleep(POLL_S)

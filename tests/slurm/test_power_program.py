@@ -1,0 +1,215 @@
+"""The power program (Slurm's ResumeProgram/SuspendProgram, ansible/roles/slurm/files/fsdp-power) without
+nodes: its local backend against a power agent answering in a thread, its aws backend against a stand-in
+`aws` that answers as the AWS CLI does (an InsufficientInstanceCapacity error included), the nodes it sets
+DOWN and why (a stand-in `scontrol` records its calls), shellcheck; and the local power agent's answers
+to requests it must refuse. slurm.conf with power saving is rendered as for two p4d nodes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdpctl.state import ClusterState, LocalNode, LocalRecord
+from fsdpctl.targets.local.power import Agent
+from tests.ansible.conftest import ROLES_DIR, render_template
+from tests.stand_ins import stand_in_commands
+
+PROGRAM = ROLES_DIR / "slurm/files/fsdp-power"
+NODES = ["pw-node1", "pw-node2"]
+# `scontrol show hostnames LIST` prints one name a line; `scontrol update ...` is recorded.
+SCONTROL = """
+if [ "$1 $2" = "show hostnames" ]; then
+    case "$3" in pw-node\\[1-2\\]) printf 'pw-node1\\npw-node2\\n' ;; *) echo "$3" ;; esac
+    exit 0
+fi
+printf '%s\\n' "$*" >> "$CALLS"
+"""
+
+
+@pytest.fixture
+def power(tmp_path):
+    """Run the program by one of its two names with a conf file; returns (result, scontrol calls)."""
+    bin_dir = tmp_path / "libexec"
+    bin_dir.mkdir()
+    shutil.copy(PROGRAM, bin_dir / "power")
+    for action in ("resume", "suspend", "retry"):
+        (bin_dir / f"power-{action}").symlink_to("power")
+    calls = tmp_path / "scontrol-calls"
+    runs = iter(range(100))
+
+    def run(action: str, hostlist: str | None, conf: str, aws: str = "exit 99", sinfo: str = ""):
+        (tmp_path / "power.conf").write_text(conf + f"\nPOWER_LOG={tmp_path}/power.log\n")
+        stand_ins = tmp_path / f"run{next(runs)}"
+        stand_ins.mkdir()
+        (stand_ins / "sinfo.out").write_text(sinfo)
+        env = {**stand_in_commands(stand_ins, scontrol=SCONTROL, aws=aws, sinfo=f"cat {stand_ins}/sinfo.out"),
+               "CALLS": str(calls), "FSDP_POWER_CONF": str(tmp_path / "power.conf")}
+        argv = [str(bin_dir / f"power-{action}"), *([hostlist] if hostlist else [])]
+        result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        return result, calls.read_text().splitlines() if calls.exists() else []
+
+    return run
+
+
+def answer_requests(request_dir: Path, answers: dict[str, str], stop: threading.Event) -> list[str]:
+    """A power agent's part: answer each request by node name; returns the requests seen."""
+    seen: list[str] = []
+
+    def serve():
+        while not stop.is_set():
+            for request in request_dir.glob("*.request"):
+                text = request.read_text().strip()
+                seen.append(text)
+                request.with_suffix(".answer").write_text(answers[text.split()[1]] + "\n")
+                request.unlink()
+            time.sleep(0.05)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return seen
+
+
+def test_local_resume_asks_the_agent_per_node_and_sets_a_refused_node_down(tmp_path, power):
+    requests = tmp_path / "requests"
+    requests.mkdir()
+    stop = threading.Event()
+    seen = answer_requests(requests, {"pw-node1": "ok", "pw-node2": "error: mount failed: no work dir"}, stop)
+    try:
+        result, calls = power("resume", "pw-node[1-2]", f"POWER_BACKEND=local\nPOWER_REQUEST_DIR={requests}")
+    finally:
+        stop.set()
+    assert sorted(seen) == ["resume pw-node1", "resume pw-node2"]
+    assert result.returncode == 1
+    assert calls == ["update nodename=pw-node2 state=down reason=power resume: mount failed: no work dir"]
+    assert not list(requests.iterdir())  # requests and answers are cleaned up
+    log = (tmp_path / "power.log").read_text()
+    assert "resume pw-node1: ok" in log and "resume failed for pw-node2" in log
+
+
+def test_local_suspend_without_an_agent_sets_the_node_down_after_the_timeout(tmp_path, power):
+    requests = tmp_path / "requests"
+    result, calls = power("suspend", "pw-node1",
+                          f"POWER_BACKEND=local\nPOWER_REQUEST_DIR={requests}\nPOWER_ANSWER_TIMEOUT_S=1")
+    assert result.returncode == 1
+    assert len(calls) == 1
+    assert calls[0].startswith("update nodename=pw-node1 state=down reason=power suspend: no answer from the "
+                               "power agent within 1 s")
+    assert not list(requests.iterdir())  # the unanswered request is withdrawn
+
+
+AWS_RECORDER = 'printf "%s\\n" "$*" >> "$CALLS.aws"; echo "INSTANCES $*"'
+ICE = ('echo "An error occurred (InsufficientInstanceCapacity) when calling the StartInstances operation '
+       '(reached max retries: 2): Insufficient capacity." >&2; exit 254')
+
+
+def test_aws_resume_starts_every_node_in_one_call(tmp_path, power):
+    (tmp_path / "nodes.conf").write_text("pw-node1 i-0aaa\npw-node2 i-0bbb\n")
+    conf = f"POWER_BACKEND=aws\nPOWER_NODES_FILE={tmp_path}/nodes.conf\nPOWER_REGION=us-east-1"
+    result, calls = power("resume", "pw-node[1-2]", conf, aws=AWS_RECORDER)
+    assert result.returncode == 0 and calls == []
+    aws_calls = Path(f"{tmp_path}/scontrol-calls.aws").read_text().splitlines()
+    assert aws_calls == ["ec2 start-instances --region us-east-1 --instance-ids i-0aaa i-0bbb --output text"]
+    result, _ = power("suspend", "pw-node1", conf, aws=AWS_RECORDER)
+    assert result.returncode == 0
+    assert Path(f"{tmp_path}/scontrol-calls.aws").read_text().splitlines()[-1] == (
+        "ec2 stop-instances --region us-east-1 --instance-ids i-0aaa --output text")
+
+
+def test_aws_insufficient_capacity_sets_the_nodes_down_with_ec2s_code(tmp_path, power):
+    (tmp_path / "nodes.conf").write_text("pw-node1 i-0aaa\npw-node2 i-0bbb\n")
+    conf = f"POWER_BACKEND=aws\nPOWER_NODES_FILE={tmp_path}/nodes.conf\nPOWER_REGION=us-east-1"
+    result, calls = power("resume", "pw-node[1-2]", conf, aws=ICE)
+    assert result.returncode == 1
+    assert calls == ["update nodename=pw-node1,pw-node2 state=down "
+                     "reason=power resume: InsufficientInstanceCapacity"]
+
+
+def test_aws_node_without_an_instance_id_is_set_down_with_the_fix(tmp_path, power):
+    (tmp_path / "nodes.conf").write_text("pw-node1 i-0aaa\n")
+    conf = f"POWER_BACKEND=aws\nPOWER_NODES_FILE={tmp_path}/nodes.conf\nPOWER_REGION=us-east-1"
+    result, calls = power("resume", "pw-node2", conf, aws=AWS_RECORDER)
+    assert result.returncode == 1
+    reason = f"power resume: no instance id for it in {tmp_path}/nodes.conf (run fsdpctl configure)"
+    assert calls == [f"update nodename=pw-node2 state=down reason={reason}"]
+
+
+def test_retry_powers_down_only_the_nodes_that_did_not_start_long_enough_ago(tmp_path, power):
+    def since(seconds_ago: int) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - seconds_ago))
+
+    sinfo = (f"pw-node1|power resume: InsufficientInstanceCapacity|{since(700)}\n"
+             f"pw-node2|power resume: InsufficientInstanceCapacity|{since(30)}\n"
+             f"pw-node3|health (prolog): 7 of 8 GPUs answer nvidia-smi|{since(3600)}\n")
+    result, calls = power("retry", None, "POWER_BACKEND=aws\nPOWER_RETRY_AFTER_S=600", sinfo=sinfo)
+    assert result.returncode == 0, result.stderr
+    # node2 waits its turn; node3 is down for a health check, which no power retry clears
+    assert calls == ["update nodename=pw-node1 state=power_down_force"]
+    assert "retry pw-node1: down since" in (tmp_path / "power.log").read_text()
+
+
+def test_the_program_passes_shellcheck():
+    subprocess.run(["shellcheck", "--severity=warning", str(PROGRAM)], check=True)
+
+
+def _agent(tmp_path: Path) -> Agent:
+    state = ClusterState(name="pw", root=tmp_path / "pw")
+    node = LocalNode(rank=1, name="pw-node1", address="198.18.60.3", machine="fsdp-x-1", veth="fsdpxv1",
+                     dir=str(tmp_path / "pw-node1"), machine_id="0" * 32)
+    plan = LocalRecord(subnet="198.18.60.0/24", bridge="fsdpxbr", bridge_address="198.18.60.1",
+                       gateway="198.18.60.254", rootfs=str(tmp_path / "rootfs"),
+                       shared_host_dir=str(tmp_path / "shared"), nodes=[node])
+    state.root.mkdir()
+    state.update(name="pw", target="local", created_at=0.0, local=plan)
+    return Agent(state)
+
+
+@pytest.mark.parametrize(("request_text", "answer"), [
+    ("resume pw-node9", "error: pw-node9 is not a node of cluster pw"),
+    ("reboot pw-node1", "error: not a power request: 'reboot pw-node1'"),
+    ("resume", "error: not a power request: 'resume'"),
+])
+def test_the_agent_refuses_what_is_not_a_request_for_its_nodes(tmp_path, request_text, answer):
+    assert _agent(tmp_path).handle(request_text) == answer
+
+
+def test_slurm_conf_with_power_saving_makes_the_upper_ranks_cloud_nodes(p4d_node):
+    node = p4d_node()
+    hosts = node["groups"]["nodes"]
+    text = render_template("slurm", "slurm.conf.j2", {**node, "fsdp_static_node_count": 1,
+                                                       "fsdp_suspend_after_s": 300})
+    conf = [line for line in text.splitlines() if line and not line.startswith("#")]
+    settings = dict(line.split("=", 1) for line in conf
+                    if not line.startswith(("NodeName=", "PartitionName=")))
+    assert settings["ResumeProgram"] == "/usr/local/libexec/fsdp-cluster/power-resume"
+    assert settings["SuspendProgram"] == "/usr/local/libexec/fsdp-cluster/power-suspend"
+    assert settings["SuspendTime"] == "300" and settings["SuspendTimeout"] == "120"
+    assert settings["SuspendExcNodes"] == hosts[0]
+    assert settings["ResumeRate"] == settings["SuspendRate"] == "0"
+    assert settings["PrivateData"] == "cloud" and settings["TreeWidth"] == "65533"
+    nodes = [line for line in conf if line.startswith("NodeName=")]
+    assert nodes[0].endswith("State=UNKNOWN") and nodes[1].endswith("State=CLOUD")
+    # the controller never powers down, whatever its rank: node 1 runs it here, node 0 is static
+    text = render_template("slurm", "slurm.conf.j2",
+                           {**node, "fsdp_static_node_count": 1, "slurm_controller_rank": 1})
+    assert "State=CLOUD" not in text and "ResumeProgram" not in text
+    # local nodes stop in seconds
+    text = render_template("slurm", "slurm.conf.j2",
+                           {**node, "fsdp_static_node_count": 1, "fsdp_target": "local"})
+    assert "SuspendTimeout=30\n" in text
+
+
+def test_slurm_conf_of_a_fixed_cluster_has_no_power_saving(p4d_node):
+    text = render_template("slurm", "slurm.conf.j2", p4d_node())
+    assert "ResumeProgram" not in text and "State=CLOUD" not in text
+
+
+def test_the_agent_records_which_ranks_it_stopped_in_the_state(tmp_path):
+    agent = _agent(tmp_path)
+    agent._record(1, powered_down=True)
+    assert agent.state.read().local.powered_down == [1]
+    agent._record(1, powered_down=False)
+    assert agent.state.read().local.powered_down == []
