@@ -39,8 +39,12 @@ lint: $(STAMP)
 check: $(STAMP) lint
 	$(BIN)/pytest -q -m "not root and not slow" -n auto
 
+# Everything: first the tests that boot no node and are not slow, on every core (as `make check`),
+# then the slow ones and those on local nodes one at a time (they share the machine's cores and
+# each boots its own nodes).
 test: $(STAMP) host-packages lint
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not root and not slow" -n auto
+	$(BIN)/pytest -m "root or slow"
 
 # On a machine with 1+ NVIDIA GPUs (docs/gpu-check.md): uses the Python that has CUDA torch (PYTHON=...),
 # not the CPU venv above. OUT=DIR for the results, GPU_CHECK_ARGS='--dry-run' etc. for the options.

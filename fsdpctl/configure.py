@@ -31,7 +31,7 @@ from fsdpctl.errors import EXIT_OK, CommandError, Interrupted, UsageError
 from fsdpctl.inventory import write_inventory
 from fsdpctl.processes import processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes
-from fsdpctl.slurm_nodes import power_up_all
+from fsdpctl.slurm_nodes import nodes_held_up
 from fsdpctl.state import ClusterState, ConfigureRecord, HostRecap, TaskFailure
 
 PLAYBOOK = "site.yml"
@@ -273,8 +273,7 @@ def configure(cluster: str | None = None, *, tags: str | list[str] | None = None
     Interrupted when Ctrl-C or SIGTERM cancels it."""
     line_buffered()
     state = state_mod.resolve(cluster)
-    with state.operation("configure"):
-        power_up_all(state.read(), state.spec(), say, what="configure")
+    with state.operation("configure"), nodes_held_up(state.read(), state.spec(), say, what="configure"):
         result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}))
     print_summary(result)
     if result.canceled:

@@ -44,7 +44,7 @@ from fsdpctl.checkout import REPO_ROOT
 from fsdpctl.console import say, stage
 from fsdpctl.errors import CommandError
 from fsdpctl.scripts import render_script
-from fsdpctl.slurm_nodes import power_up_all
+from fsdpctl.slurm_nodes import nodes_held_up
 from fsdpctl.state import ClusterRecord, ClusterState, DeployRecord
 
 PROJECT_ROOT = REPO_ROOT
@@ -396,8 +396,8 @@ def deploy_cluster(cluster: str | None = None) -> DeployRecord:
     """Build the trainer wheel and wheelhouse and install them on every node of the cluster (default:
     the one brought up last), offline; what is unchanged since the last deploy is skipped."""
     try:
-        with remote.cluster_operation(cluster, "deploy") as (state, record, spec):
-            power_up_all(record, spec, say, what="deploy")
+        with remote.cluster_operation(cluster, "deploy") as (state, record, spec), \
+                nodes_held_up(record, spec, say, what="deploy"):
             return deploy(state, record)
     except DeployError as e:
         raise DeployError(f"deploy to cluster {record.name!r} failed: {e}\n"

@@ -1,20 +1,24 @@
 """The cluster's nodes as Slurm sees them: a Slurm command run on the cluster, each node's state and
 why it is drained or down, drain and resume, and powering up the nodes power saving stopped.
 
-`configure`, `deploy` and `smoke` change or test every node, and a node Slurm powered down (the
-spec's `scaling:`, docs/slurm.md "Power saving") is neither reachable nor up to date after it: it
-would come back without what changed meanwhile. So these commands first ask Slurm to power such
-nodes up (`scontrol update state=power_up`, which runs the same resume program a job's need would)
-and wait until every one answers. They bill while they run, and Slurm powers them down again after
-`scaling.suspend_after_s` idle.
+`configure`, `deploy`, `smoke` and `scale-test` change or test every node, and a node Slurm powered
+down (the spec's `scaling:`, docs/slurm.md "Power saving") is neither reachable nor up to date after
+it: it would come back without what changed meanwhile. `configure` and `deploy` hold the free nodes
+with a job that sleeps on them while they run (`nodes_held_up`): Slurm powers up those that are down
+for it, as for any job, and powers none down in the middle of the command. `smoke` and `scale-test`
+run Slurm jobs of their own on every node, which such a job would block: they power the nodes up
+(`power_up_all`) and their own jobs keep them busy. The nodes bill while the command runs and power
+down again after `scaling.suspend_after_s` idle.
 
 A leaf below fsdpctl.slurm (the jobs): it needs only SSH to the nodes, so `deploy` may use it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fsdpctl import remote
@@ -145,6 +149,7 @@ POWER_UP_TIMEOUT_S = 900
 """At most Slurm's ResumeTimeout (600 s by default) plus a SuspendTimeout for a node that was on its
 way down."""
 POLL_S = 2.0
+HOLD_JOB_NAME = "fsdpctl-hold"
 
 
 def power_up_all(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: str) -> None:
@@ -184,5 +189,56 @@ def power_up_all(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: st
         if time.monotonic() > deadline:
             left = ", ".join(f"{n} ({states[n].state})" for n in waiting if not states[n].in_service)
             raise CommandError(f"{what}: {left} did not power up within {POWER_UP_TIMEOUT_S} s; see "
+                               "`fsdpctl status`, then run it again or `fsdpctl exclude RANK`")
+        time.sleep(POLL_S)
+
+
+@contextlib.contextmanager
+def nodes_held_up(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: str) -> Iterator[None]:
+    """While a command changes or tests every node: the free nodes power saving may stop are held by a
+    job that sleeps on them, which powers up those that are down (Slurm runs the resume program for
+    it) and keeps Slurm from powering any of them down in the middle of the command; the job is
+    cancelled afterwards, and they power down again after scaling.suspend_after_s idle. Nodes that
+    run a job are up and stay up. A CommandError names the nodes that did not come, with Slurm's
+    reason, and how to go on without them."""
+    if not spec.power_saving or not slurm_configured(record):  # before the first configure: all up
+        yield
+        return
+    states = node_states(record) or {}
+    names = [n.name for n in record.active_nodes() if n.rank >= spec.static_node_count]
+    free = [n for n in names if n in states and (states[n].power_saved or states[n].state == "idle")]
+    if not free:
+        yield
+        return
+    asleep = [n for n in free if states[n].power_saved]
+    job_id = int(run_slurm(record, (
+        f"sbatch --parsable --job-name={HOLD_JOB_NAME}-{what} --nodelist={','.join(free)} -N{len(free)} "
+        "--exclusive --no-requeue --output=/dev/null --wrap 'sleep infinity'")).stdout.strip().split(";")[0])
+    try:
+        out(f"{what}: Slurm job {job_id} holds {', '.join(free)} while it runs"
+            + (f", powering up {', '.join(asleep)} (powered down while idle)" if asleep else ""))
+        _wait_running(record, job_id, free, what)
+        yield
+    finally:
+        run_slurm(record, f"scancel {job_id}", check=False)
+
+
+def _wait_running(record: ClusterRecord, job_id: int, held: list[str], what: str) -> None:
+    deadline = time.monotonic() + POWER_UP_TIMEOUT_S
+    while True:
+        job = run_slurm(record, f"squeue --noheader --jobs {job_id} --format %T", check=False).stdout.strip()
+        if job == "RUNNING":
+            return
+        states = node_states(record) or {}
+        # The resume program sets a node it cannot start DOWN with the reason.
+        failed = {n: states[n] for n in held if n in states and states[n].state.startswith(("down", "drain"))}
+        if failed or not job:
+            reasons = "; ".join(f"{n}: {s.state}, {s.reason or 'no reason given'}" for n, s in failed.items())
+            raise CommandError(f"{what}: could not bring up {reasons or ', '.join(held)}. Run `fsdpctl "
+                               f"{what}` again once they can start, or leave them out with `fsdpctl exclude "
+                               "RANK`")
+        if time.monotonic() > deadline:
+            left = ", ".join(f"{n} ({states[n].state})" for n in held if n in states)
+            raise CommandError(f"{what}: {left} did not come up within {POWER_UP_TIMEOUT_S} s; see "
                                "`fsdpctl status`, then run it again or `fsdpctl exclude RANK`")
         time.sleep(POLL_S)

@@ -13,7 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from fsdpctl import slurm_nodes
+from fsdpctl.errors import CommandError
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord
 from fsdpctl.targets.local.power import Agent
 from tests.ansible.conftest import ROLES_DIR, render_template
@@ -199,7 +202,7 @@ def test_slurm_conf_with_power_saving_makes_the_upper_ranks_cloud_nodes(p4d_node
     # local nodes stop in seconds
     text = render_template("slurm", "slurm.conf.j2",
                            {**node, "fsdp_static_node_count": 1, "fsdp_target": "local"})
-    assert "SuspendTimeout=30\n" in text
+    assert "SuspendTimeout=10\n" in text
 
 
 def test_slurm_conf_of_a_fixed_cluster_has_no_power_saving(p4d_node):
@@ -213,3 +216,76 @@ def test_the_agent_records_which_ranks_it_stopped_in_the_state(tmp_path):
     assert agent.state.read().local.powered_down == [1]
     agent._record(1, powered_down=False)
     assert agent.state.read().local.powered_down == []
+
+
+class FakeSlurm:
+    """What nodes_held_up asks of the cluster's Slurm: sinfo's node states (changing per call as
+    given), sbatch, squeue of the hold job (RUNNING after `running_after` polls), scancel."""
+
+    def __init__(self, states: list[dict[str, str]], running_after: int = 2):
+        self.states, self.running_after, self.commands = states, running_after, []
+
+    def run_slurm(self, record, command: str, *, check: bool = True, timeout: float = 30):
+        self.commands.append(command)
+        if command.startswith("squeue"):
+            self.running_after -= 1
+            out = "RUNNING" if self.running_after <= 0 else "CONFIGURING"
+        else:
+            out = "41\n" if command.startswith("sbatch") else ""
+        return subprocess.CompletedProcess(command, 0, out, "")
+
+    def node_states(self, record):
+        states = self.states[0] if len(self.states) == 1 else self.states.pop(0)
+        return {n: slurm_nodes.NodeState(n, *value.split("|")) for n, value in states.items()}
+
+
+def _elastic(tmp_path, monkeypatch, fake: FakeSlurm, **scaling):
+    from fsdpctl.state import ClusterRecord, Node
+    from infra.spec import load_spec
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump({
+        "name": "pw", "region": "us-east-1", "availability_zone": "us-east-1b",
+        "instance_type": "p4d.24xlarge", "node_count": 3, "ssh_cidr": "203.0.113.0/24",
+        "capacity": {"all_or_nothing": False}, "scaling": scaling}))
+    record = ClusterRecord(name="pw", target="local", created_at=0.0, nodes=[
+        Node(rank=r, name=f"pw-node{r}", address=f"198.18.60.{2 + r}") for r in range(3)])
+    for name in ("run_slurm", "node_states"):
+        monkeypatch.setattr(slurm_nodes, name, getattr(fake, name))
+    monkeypatch.setattr(slurm_nodes, "slurm_configured", lambda record: True)
+    monkeypatch.setattr(slurm_nodes, "POLL_S", 0)
+    return record, load_spec(spec_path)
+
+
+def test_configure_holds_the_free_elastic_nodes_with_a_job_and_cancels_it_after(tmp_path, monkeypatch):
+    fake = FakeSlurm([{"pw-node0": "idle|none", "pw-node1": "idle~|none", "pw-node2": "allocated|none"}])
+    record, spec = _elastic(tmp_path, monkeypatch, fake, min_nodes=1)
+    said = []
+    with slurm_nodes.nodes_held_up(record, spec, said.append, what="configure"):
+        assert fake.commands[-1].startswith("squeue") and "scancel" not in " ".join(fake.commands)
+    # node2 runs a job and stays up by itself; node0 is static
+    assert fake.commands[0] == ("sbatch --parsable --job-name=fsdpctl-hold-configure --nodelist=pw-node1 -N1 "
+                                "--exclusive --no-requeue --output=/dev/null --wrap 'sleep infinity'")
+    assert fake.commands[-1] == "scancel 41"
+    assert said == ["configure: Slurm job 41 holds pw-node1 while it runs, powering up pw-node1 (powered "
+                    "down while idle)"]
+
+
+def test_a_held_node_that_cannot_start_stops_the_command_with_its_reason(tmp_path, monkeypatch):
+    fake = FakeSlurm([{"pw-node0": "idle|none", "pw-node1": "idle~|none", "pw-node2": "idle|none"},
+                      {"pw-node0": "idle|none", "pw-node2": "allocated|none",
+                       "pw-node1": "down#|power resume: InsufficientInstanceCapacity"}], running_after=99)
+    record, spec = _elastic(tmp_path, monkeypatch, fake, min_nodes=1)
+    with pytest.raises(CommandError, match=r"configure: could not bring up pw-node1: down#, power resume: "
+                       r"InsufficientInstanceCapacity\. .*fsdpctl exclude RANK"), \
+            slurm_nodes.nodes_held_up(record, spec, print, what="configure"):
+        pass
+    assert "--nodelist=pw-node1,pw-node2 -N2" in fake.commands[0] and fake.commands[-1] == "scancel 41"
+
+
+def test_a_fixed_cluster_holds_nothing(tmp_path, monkeypatch):
+    fake = FakeSlurm([{"pw-node0": "idle|none"}])
+    record, spec = _elastic(tmp_path, monkeypatch, fake)
+    with slurm_nodes.nodes_held_up(record, spec, print, what="deploy"):
+        pass
+    assert fake.commands == []

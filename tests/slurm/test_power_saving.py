@@ -1,5 +1,5 @@
 """Slurm power saving on real local nodes (2 systemd-nspawn nodes in 198.18.22.0/24, one cluster for the
-module): with `scaling: {min_nodes: 1}` node 1 is a State=CLOUD node (SuspendTime 20 s). `up` starts
+module): with `scaling: {min_nodes: 1}` node 1 is a State=CLOUD node (SuspendTime 10 s). `up` starts
 the host-side power agent; once idle, Slurm powers node 1 down and the agent stops it (no process of
 it is left, `fsdpctl status` shows it powered down, not missing); `sbatch -N2` powers it up again and
 runs on both nodes; after the job it powers down again; a node the agent cannot start (its overlay
@@ -12,17 +12,16 @@ The tests run in file order."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fsdpctl.processes import processes
-from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites
+from tests.local.conftest import fsdpctl, read_state
+from tests.slurm.conftest import slurm_cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -30,10 +29,10 @@ NAME = "power-test"
 SUBNET = "198.18.22.0/24"  # the slurm area's second subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 # The spec allows 60 s and more (AWS nodes take minutes to start); the role setting goes lower.
-SUSPEND_AFTER_S = 20
+SUSPEND_AFTER_S = 10
 FAST_SUSPEND = ("-e", f"slurm_suspend_time={SUSPEND_AFTER_S}")
 # SuspendTime, then Slurm's power-save pass (every few seconds), the agent's stop and SuspendTimeout
-# (30 s on the local target) before the node counts as powered down.
+# (10 s on the local target) before the node counts as powered down.
 POWER_DOWN_TIMEOUT_S = SUSPEND_AFTER_S + 30 + 60
 JOB_TIMEOUT_S = 240
 
@@ -41,21 +40,9 @@ JOB_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Up with power saving and `configure --tags slurm`; torn down after the module whatever happens."""
-    require_local_prerequisites()
-    home = tmp_path_factory.mktemp("fsdpctl-home")
-    spec = home.parent / f"{NAME}.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
-        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
-        "scaling": {"min_nodes": 1},
-        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}}))
-    env = {k: v for k, v in os.environ.items() if k == "FSDPCTL_CACHE"}
-    try:
-        fsdpctl(home, "up", str(spec), "--target", "local", "--nodes", "2", env=env, timeout=900)
-        fsdpctl(home, "configure", "--tags", "slurm", *FAST_SUSPEND, env=env, timeout=600)
-        yield home, env
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, env=env, timeout=300, check=False)
+    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec={"scaling": {"min_nodes": 1}},
+                       configure_args=FAST_SUSPEND) as home_and_env:
+        yield home_and_env
 
 
 def on_controller(cluster, command: str, check: bool = True) -> subprocess.CompletedProcess:

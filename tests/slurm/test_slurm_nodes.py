@@ -16,7 +16,6 @@ The tests run in file order (the last ones drain nodes)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites
+from tests.local.conftest import fsdpctl, read_state
+from tests.slurm.conftest import slurm_cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -43,21 +43,9 @@ FAULTY_NVIDIA_SMI = "#!/bin/sh\necho '0, 00000000:10:1C.0, 2, No, No'\n"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Up, `configure --tags slurm`, deploy; torn down after the module whatever happens."""
-    require_local_prerequisites()
-    home = tmp_path_factory.mktemp("fsdpctl-home")
-    spec = home.parent / f"{NAME}.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
-        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
-        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}, "trainer": {"config": "tiny"}}))
-    env = {k: v for k, v in os.environ.items() if k == "FSDPCTL_CACHE"}
-    try:
-        fsdpctl(home, "up", str(spec), "--target", "local", "--nodes", "2", env=env, timeout=900)
-        fsdpctl(home, "configure", "--tags", "slurm", env=env, timeout=600)
-        fsdpctl(home, "deploy", env=env, timeout=900)
-        yield home, env
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, env=env, timeout=300, check=False)
+    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec={"trainer": {"config": "tiny"}},
+                       deploy=True) as home_and_env:
+        yield home_and_env
 
 
 def ssh(cluster, rank: int, command: str, check: bool = True):

@@ -313,6 +313,19 @@ def test_mxfp4_experts_load_as_transformers_dequantises_them(gpt_oss, docs, tmp_
     assert proc.returncode != 0 and f"{name.removesuffix('_scales')}_blocks" in proc.stderr
 
 
+def assert_same_losses_resumed_without_expert_parallel(trained: Path, model: Path, data: Path,
+                                                       resumed_dir: Path) -> None:
+    """An 8-step run with a checkpoint at step 4, resumed from it on 2 ranks without expert
+    parallelism: steps 5-8 give the same losses."""
+    reference = _losses(trained / "metrics.jsonl")
+    assert sorted(reference) == list(range(1, 9))
+    shutil.copytree(trained / "ckpt" / "step_00000004", resumed_dir / "ckpt" / "step_00000004")
+    _train(resumed_dir, model, data, 2, "--set", "model.router_aux_loss_coef=0.01")
+    resumed = _losses(resumed_dir / "metrics.jsonl")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert resumed == pytest.approx({step: reference[step] for step in resumed}, rel=1e-5)
+
+
 def _losses(metrics: Path) -> dict[int, float]:
     records = [json.loads(line) for line in metrics.read_text().splitlines() if '"event"' not in line]
     return {record["step"]: record["loss"] for record in records if "loss" in record}
@@ -326,16 +339,9 @@ def test_train_with_expert_parallelism_export_reload_and_resume_without_it(gpt_o
     summary = _train(trained, gpt_oss, path, 2, "--set", "model.router_aux_loss_coef=0.01", "--set",
                      "parallel.expert_parallel=2", "--set", "checkpoint.interval=4")
     assert summary["final_loss"] < summary["first_loss"]
-    reference = _losses(trained / "metrics.jsonl")
-    assert sorted(reference) == list(range(1, 9))
     # The step-4 checkpoint of the expert-parallel run, resumed on the same 2 ranks without expert
     # parallelism (each rank now holds half of every expert instead of all of half the experts).
-    resumed_dir = tmp_path / "ep1"
-    shutil.copytree(trained / "ckpt" / "step_00000004", resumed_dir / "ckpt" / "step_00000004")
-    _train(resumed_dir, gpt_oss, path, 2, "--set", "model.router_aux_loss_coef=0.01")
-    resumed = _losses(resumed_dir / "metrics.jsonl")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    assert resumed == pytest.approx({step: reference[step] for step in resumed}, rel=1e-5)
+    assert_same_losses_resumed_without_expert_parallel(trained, gpt_oss, path, tmp_path / "ep1")
     export = trained / "export"
     original, exported = _tensors(gpt_oss), _tensors(export)
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {

@@ -19,7 +19,6 @@ The tiny fixtures (tests/trainer/hf_fixtures.py): "qwen3-moe" has block 0 dense 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ import torch
 
 from tests.trainer.conftest import assert_ok, torchrun
 from tests.trainer.hf_fixtures import MIXTRAL, load_reference, make_model, reference_eval
-from tests.trainer.test_gpt_oss import _losses
+from tests.trainer.test_gpt_oss import assert_same_losses_resumed_without_expert_parallel
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
 from trainer.config import ModelConfig, load_config
 from trainer.errors import ConfigError
@@ -217,14 +216,7 @@ def test_train_with_expert_parallelism_export_reload_and_resume_without_it(moe, 
     # The step-4 checkpoint (stacked experts, [8, ...] whole in DCP's view) resumed on the same 2 ranks
     # without expert parallelism: each rank now holds 4 experts of every stacked tensor by FSDP instead
     # of 4 experts by expert parallelism, and steps 5-8 give the same losses.
-    reference = _losses(trained / "metrics.jsonl")
-    assert sorted(reference) == list(range(1, 9))
-    resumed_dir = tmp_path / "ep1"
-    shutil.copytree(trained / "ckpt" / "step_00000004", resumed_dir / "ckpt" / "step_00000004")
-    _train(resumed_dir, moe, path, 2, "--set", "model.router_aux_loss_coef=0.01")
-    resumed = _losses(resumed_dir / "metrics.jsonl")
-    assert sorted(resumed) == [5, 6, 7, 8]
-    assert resumed == pytest.approx({step: reference[step] for step in resumed}, rel=1e-5)
+    assert_same_losses_resumed_without_expert_parallel(trained, moe, path, tmp_path / "ep1")
     export = trained / "export"
     original, exported = _tensors(moe), _tensors(export)
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {
