@@ -210,6 +210,19 @@ def test_slurm_conf_of_a_fixed_cluster_has_no_power_saving(p4d_node):
     assert "ResumeProgram" not in text and "State=CLOUD" not in text
 
 
+def test_the_agent_answers_a_failed_start_and_keeps_serving(tmp_path, monkeypatch):
+    from fsdpctl.targets.local import nodes
+
+    def no_nspawn(plan, node):
+        raise FileNotFoundError(2, "No such file or directory", "systemd-nspawn")
+
+    monkeypatch.setattr(nodes, "running_ranks", lambda plan: set())
+    monkeypatch.setattr(nodes, "power_on", no_nspawn)
+    agent = _agent(tmp_path)
+    assert agent.handle("resume pw-node1") == "error: [Errno 2] No such file or directory: 'systemd-nspawn'"
+    assert "resume pw-node1 failed: FileNotFoundError" in (agent.state.root / "power-agent.log").read_text()
+
+
 def test_the_agent_records_which_ranks_it_stopped_in_the_state(tmp_path):
     agent = _agent(tmp_path)
     agent._record(1, powered_down=True)

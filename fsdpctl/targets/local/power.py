@@ -100,9 +100,10 @@ class Agent:
                 self._resume(node)
             else:
                 self._suspend(node)
-        except CommandError as e:
-            self.say(f"{action} {name} failed: {e}")
-            return f"error: {str(e).splitlines()[0][:200]}"
+        # The agent outlives a failed request: the power program sets that node DOWN with the answer.
+        except (CommandError, OSError, subprocess.SubprocessError) as e:
+            self.say(f"{action} {name} failed: {type(e).__name__}: {e}")
+            return f"error: {(str(e) or type(e).__name__).splitlines()[0][:200]}"
         self.say(f"{action} {name}: done in {time.monotonic() - started:.1f} s")
         return "ok"
 
