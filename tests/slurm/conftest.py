@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,21 @@ import yaml
 
 from tests.ansible.conftest import detect_hardware, node_variables, sysfs_tree
 from tests.local.conftest import fsdpctl, require_local_prerequisites
+
+WAIT_TIMEOUT_S = 400
+"""How long a node test waits for a job or a node by default."""
+
+
+def wait_for(predicate, what: str, timeout: float = WAIT_TIMEOUT_S):
+    """predicate()'s first true value, asked every second; an AssertionError naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
 @contextlib.contextmanager

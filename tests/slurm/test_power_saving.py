@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from fsdpctl.processes import processes
 from tests.local.conftest import fsdpctl, read_state
-from tests.slurm.conftest import slurm_cluster
+from tests.slurm.conftest import slurm_cluster, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -68,16 +67,6 @@ def node1_processes(cluster) -> list[str]:
 def agent_processes(cluster) -> list[str]:
     return [" ".join(argv) for _, argv, _ in processes()
             if "fsdpctl.targets.local.power_agent" in argv and any(NAME in a for a in argv)]
-
-
-def wait_for(predicate, what: str, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
 def powered_down(cluster) -> bool:

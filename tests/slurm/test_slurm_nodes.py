@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from tests.local.conftest import fsdpctl, read_state
-from tests.slurm.conftest import slurm_cluster
+from tests.slurm.conftest import slurm_cluster, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -33,7 +33,6 @@ SUBNET = "198.18.20.0/24"  # the slurm area's subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 STANDIN = Path(__file__).with_name("imds_standin.py")
 PLAIN_SCRIPT = Path(__file__).parents[2] / "examples/plain_torchrun.py"
-JOB_TIMEOUT_S = 400
 HEALTH_CONF = "/etc/slurm/node-health.conf"
 # A GPU for the health check on a node that has none: a stand-in nvidia-smi answering the check's
 # query with one GPU that has uncorrected ECC errors.
@@ -73,16 +72,6 @@ def job(cluster, job_id: int) -> dict:
     home, env = cluster
     rows = json.loads(fsdpctl(home, "jobs", "--json", env=env).stdout)
     return next(r for r in rows if r["job_id"] == job_id)
-
-
-def wait_for(predicate, what: str, timeout: float = JOB_TIMEOUT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
 def steps(metrics: Path) -> list[dict]:
