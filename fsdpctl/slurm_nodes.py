@@ -176,9 +176,10 @@ def power_up_all(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: st
             run_slurm(record, f"scontrol update nodename={','.join(down_now)} state=power_up")
             asked.update(down_now)
         seen_powering.update(n for n in asked if states[n].powering)
-        # The resume program sets a node it cannot start DOWN; Slurm then powers it down again.
-        failed = {n: states[n] for n in asked if not states[n].powering and (
-            states[n].state.startswith("down") or (states[n].powered_down and n in seen_powering))}
+        # The resume program sets a node it cannot start DOWN (`down#` while Slurm still counts it as
+        # powering up); one that fell back to powered down after powering up did not come either.
+        failed = {n: states[n] for n in asked if states[n].state.startswith(("down", "drain", "fail"))
+                  or (states[n].powered_down and n in seen_powering)}
         if failed:
             reasons = "; ".join(f"{n}: {s.reason or s.state}" for n, s in failed.items())
             raise CommandError(f"{what}: could not power up {reasons}. Run `fsdpctl {what}` again once "

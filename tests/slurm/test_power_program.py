@@ -302,3 +302,26 @@ def test_a_fixed_cluster_holds_nothing(tmp_path, monkeypatch):
     with slurm_nodes.nodes_held_up(record, spec, print, what="deploy"):
         pass
     assert fake.commands == []
+
+
+def test_smoke_powers_the_stopped_nodes_up_and_waits_for_them(tmp_path, monkeypatch):
+    fake = FakeSlurm([{"pw-node0": "idle|none", "pw-node1": "idle~|none", "pw-node2": "idle|none"},
+                      {"pw-node0": "idle|none", "pw-node1": "idle~|none", "pw-node2": "idle|none"},
+                      {"pw-node0": "idle|none", "pw-node1": "idle#|none", "pw-node2": "idle|none"},
+                      {"pw-node0": "idle|none", "pw-node1": "idle|none", "pw-node2": "idle|none"}])
+    record, spec = _elastic(tmp_path, monkeypatch, fake, min_nodes=1)
+    said = []
+    slurm_nodes.power_up_all(record, spec, said.append, what="smoke")
+    assert fake.commands == ["scontrol update nodename=pw-node1 state=power_up"]
+    assert said == ["smoke: powering up pw-node1 (Slurm powered them down while idle); they power down again "
+                    "once idle", "smoke: pw-node1 powered up"]
+
+
+def test_smoke_stops_with_the_reason_of_a_node_that_cannot_start(tmp_path, monkeypatch):
+    fake = FakeSlurm([{"pw-node0": "idle|none", "pw-node1": "idle~|none"},
+                      {"pw-node0": "idle|none", "pw-node1": "idle~|none"},
+                      {"pw-node0": "idle|none", "pw-node1": "down#|power resume: mount failed"}])
+    record, spec = _elastic(tmp_path, monkeypatch, fake, min_nodes=1)
+    with pytest.raises(CommandError, match=r"^smoke: could not power up pw-node1: power resume: mount "
+                       r"failed\. .*fsdpctl exclude RANK"):
+        slurm_nodes.power_up_all(record, spec, print, what="smoke")
