@@ -272,8 +272,8 @@ def configure(cluster: str | None = None, *, tags: str | list[str] | None = None
     CommandError when the playbook fails (the run is idempotent: run it again after the fix) and
     Interrupted when Ctrl-C or SIGTERM cancels it."""
     line_buffered()
-    state = state_mod.resolve(cluster)
-    with state.operation("configure"), nodes_held_up(state.read(), state.spec(), say, what="configure"):
+    with state_mod.cluster_operation(cluster, "configure") as (state, record, spec), \
+            nodes_held_up(record, spec, say, what="configure"):
         result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}))
     print_summary(result)
     if result.canceled:

@@ -396,7 +396,7 @@ def deploy_cluster(cluster: str | None = None) -> DeployRecord:
     """Build the trainer wheel and wheelhouse and install them on every node of the cluster (default:
     the one brought up last), offline; what is unchanged since the last deploy is skipped."""
     try:
-        with remote.cluster_operation(cluster, "deploy") as (state, record, spec), \
+        with state_mod.cluster_operation(cluster, "deploy") as (state, record, spec), \
                 nodes_held_up(record, spec, say, what="deploy"):
             return deploy(state, record)
     except DeployError as e:

@@ -20,8 +20,8 @@ from typing import Any
 from fsdpctl import state as state_mod
 from fsdpctl.console import print_json, say
 from fsdpctl.errors import UsageError
-from fsdpctl.remote import resolve_cluster, ssh_options
-from fsdpctl.state import ClusterRecord, ClusterState
+from fsdpctl.remote import ssh_options
+from fsdpctl.state import ClusterRecord, ClusterState, resolve_cluster
 from infra.spec import ClusterSpec
 
 GROUP = "nodes"

@@ -14,6 +14,7 @@ from fsdpctl import remote, slurm, slurm_nodes
 from fsdpctl.console import print_json, say
 from fsdpctl.scripts import render_script
 from fsdpctl.slurm import JobRow
+from fsdpctl.state import resolve_cluster
 
 
 def _figure(value: Any, fmt: str) -> str:
@@ -23,12 +24,12 @@ def _figure(value: Any, fmt: str) -> str:
 def jobs(cluster: str | None = None) -> list[JobRow]:
     """The cluster's training jobs, newest first: Slurm state, nodes, and the last step, loss and
     tokens/s of the trainer's metrics (none for a job of the user's own command)."""
-    _state, record, _spec = remote.resolve_cluster(cluster)
+    _state, record, _spec = resolve_cluster(cluster)
     return slurm.list_jobs(record)
 
 
 def cmd_jobs(args: Namespace) -> int:
-    _state, record, _spec = remote.resolve_cluster(args.cluster)
+    _state, record, _spec = resolve_cluster(args.cluster)
     rows = slurm.list_jobs(record)
     if args.json:
         print_json([dataclasses.asdict(row) for row in rows])
@@ -47,7 +48,7 @@ def cmd_jobs(args: Namespace) -> int:
 
 def logs(cluster: str | None, job_id: int) -> str:
     """A job's output so far (Slurm's slurm-JOB.out in the job's directory)."""
-    _state, record, _spec = remote.resolve_cluster(cluster)
+    _state, record, _spec = resolve_cluster(cluster)
     job = slurm.find_job(record, job_id)
     path = shlex.quote(job.log_file)
     return slurm_nodes.run_slurm(record, f"cat {path} 2>/dev/null || echo '(no output yet)'").stdout
@@ -57,7 +58,7 @@ def cmd_logs(args: Namespace) -> int:
     if not args.follow:
         sys.stdout.write(logs(args.cluster, args.job))
         return 0
-    _state, record, _spec = remote.resolve_cluster(args.cluster)
+    _state, record, _spec = resolve_cluster(args.cluster)
     job = slurm.find_job(record, args.job)
     command = render_script("templates/follow_job_log.sh.j2", log_file=job.log_file, job_id=job.job_id)
     sys.stdout.flush()
@@ -67,7 +68,7 @@ def cmd_logs(args: Namespace) -> int:
 
 def cancel(cluster: str | None, job_id: int) -> None:
     """Cancel a job: its workers get SIGTERM and write a checkpoint first."""
-    _state, record, _spec = remote.resolve_cluster(cluster)
+    _state, record, _spec = resolve_cluster(cluster)
     slurm.cancel(record, job_id)
     say(f"cancelled job {job_id}: its workers get SIGTERM and write a checkpoint; `fsdpctl train` with "
         "the same config and a new --name does not resume it (its checkpoints stay in its directory)")

@@ -26,7 +26,7 @@ from typing import Any
 from fsdpctl import remote
 from fsdpctl.console import print_json, say
 from fsdpctl.errors import CommandError
-from fsdpctl.state import ClusterRecord
+from fsdpctl.state import ClusterRecord, resolve_cluster
 from infra.catalog import CATALOG
 from infra.spec import ClusterSpec
 
@@ -223,7 +223,7 @@ def render_view(view: dict[str, Any]) -> str:
 
 
 def cmd_monitor(args: Namespace) -> int:
-    _state, record, spec = remote.resolve_cluster(args.cluster)
+    _state, record, spec = resolve_cluster(args.cluster)
     with Prometheus(record) as prom:
         while True:  # the nodes as the command read them at its start; Prometheus's figures each time
             view = node_view(record, spec, prom)

@@ -6,14 +6,13 @@ there is one place that knows the key, the known_hosts file and the bastion hop.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import subprocess
 import sys
 import tarfile
 from argparse import Namespace
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 from fsdpctl import state as state_mod
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.state import ClusterRecord, ClusterState, Node, SshSettings
-from infra.spec import ClusterSpec
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; a timed-out command reports it too
 SSH_FAILED = 255  # ssh's own exit status for an error (otherwise it passes on the command's)
@@ -37,27 +35,8 @@ class RemoteCommandFailed(CommandError):
 
 ClusterNodes = ClusterRecord | ClusterState
 """Where the helpers below find the nodes and the SSH settings: the record a command read once at its
-entry (`resolve_cluster`) and passes down, or a cluster's state, read on each call, where the nodes
+entry (`state.resolve_cluster`) and passes down, or a cluster's state, read on each call, where the nodes
 are still being written (the targets, during `up` and `replace`)."""
-
-
-def resolve_cluster(name: str | None) -> tuple[ClusterState, ClusterRecord, ClusterSpec]:
-    """The cluster a command acts on (`state.resolve`: --cluster NAME, else the current one), with its
-    record and spec: read once, here, for the command to pass down. They are what `resolve` would
-    read to refuse a broken file, so a broken one stops the command the same way."""
-    state = state_mod.resolve(name, readable=False)
-    return state, state.read(), state.spec()
-
-
-@contextlib.contextmanager
-def cluster_operation(name: str | None, what: str
-                      ) -> Iterator[tuple[ClusterState, ClusterRecord, ClusterSpec]]:
-    """`resolve_cluster` for a command that holds the cluster's operation lock while it runs
-    (`ClusterState.operation`): the record and spec are read once the lock is held, so they are what
-    the command before it left, and no other operation changes the nodes under it."""
-    state = state_mod.resolve(name, readable=False)
-    with state.operation(what):
-        yield state, state.read(), state.spec()
 
 
 def _record(cluster: ClusterNodes) -> ClusterRecord:
@@ -228,7 +207,7 @@ def cmd_ssh(args: Namespace) -> int:
             else:
                 raise UsageError(f"fsdpctl ssh: unknown option {option!r} before `--`; the form is "
                                  "`fsdpctl ssh [--cluster NAME] RANK -- CMD`")
-    _state, record, _spec = resolve_cluster(args.cluster)
+    _state, record, _spec = state_mod.resolve_cluster(args.cluster)
     node = node_by_rank(record, args.rank)
     argv = ssh_argv(record, node, " ".join(words))
     if not words:  # an interactive login: no command, and a terminal when we have one

@@ -473,3 +473,22 @@ def resolve(name: str | None, *, readable: bool = True) -> ClusterState:
         state.read()
         state.spec()
     return state
+
+
+def resolve_cluster(name: str | None) -> tuple[ClusterState, ClusterRecord, ClusterSpec]:
+    """The cluster a command acts on (`state.resolve`: --cluster NAME, else the current one), with its
+    record and spec: read once, here, for the command to pass down. They are what `resolve` would
+    read to refuse a broken file, so a broken one stops the command the same way."""
+    state = resolve(name, readable=False)
+    return state, state.read(), state.spec()
+
+
+@contextlib.contextmanager
+def cluster_operation(name: str | None, what: str
+                      ) -> Iterator[tuple[ClusterState, ClusterRecord, ClusterSpec]]:
+    """`resolve_cluster` for a command that holds the cluster's operation lock while it runs
+    (`ClusterState.operation`): the record and spec are read once the lock is held, so they are what
+    the command before it left, and no other operation changes the nodes under it."""
+    state = resolve(name, readable=False)
+    with state.operation(what):
+        yield state, state.read(), state.spec()

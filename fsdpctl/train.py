@@ -8,9 +8,10 @@ from argparse import Namespace
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fsdpctl import remote, slurm
+from fsdpctl import slurm
 from fsdpctl.console import say
 from fsdpctl.slurm import TrainJob
+from fsdpctl.state import resolve_cluster
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ def train(cluster: str | None = None, config: str | None = None, *, command: str
     KEY=VALUE), or of `command` (a command line or a local script), to the cluster's Slurm as a
     requeueable job on `nodes` nodes (default: every usable one); bad input is refused before
     anything is submitted."""
-    _state, record, spec = remote.resolve_cluster(cluster)
+    _state, record, spec = resolve_cluster(cluster)
     job_id, job = slurm.submit(record, spec, config, command=command, nodes=nodes, steps=steps,
                                overrides=list(overrides), name=name, checkpoint_interval=checkpoint_interval)
     if job.command is None and job.module_args is None:

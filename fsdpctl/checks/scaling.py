@@ -31,7 +31,7 @@ from fsdpctl.console import say, stage
 from fsdpctl.deploy import DeployError
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.slurm_nodes import power_up_all
-from fsdpctl.state import ClusterRecord, ClusterState
+from fsdpctl.state import ClusterRecord, ClusterState, cluster_operation
 from infra.spec import ClusterSpec
 
 WARMUP_STEPS = 2
@@ -224,7 +224,7 @@ def cmd_scale_test(args) -> int:
         raise UsageError(f"--steps {args.steps} leaves nothing to measure after {WARMUP_STEPS} warm-up "
                            "steps; use e.g. --steps 20")
     try:
-        with remote.cluster_operation(args.cluster, "scale-test") as (state, record, spec):
+        with cluster_operation(args.cluster, "scale-test") as (state, record, spec):
             power_up_all(record, spec, say, what="scale-test")
             result, paths = run_scaling(state, record, spec, steps=args.steps)
     except (CheckError, DeployError) as e:

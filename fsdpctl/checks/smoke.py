@@ -52,7 +52,7 @@ from fsdpctl.console import Out, say, stage
 from fsdpctl.deploy import DeployError, deployed_venv
 from fsdpctl.errors import CommandError, UsageError
 from fsdpctl.slurm_nodes import power_up_all, slurm_status
-from fsdpctl.state import ClusterRecord, ClusterState
+from fsdpctl.state import ClusterRecord, ClusterState, cluster_operation
 from infra.spec import ClusterSpec
 
 CHECKS: tuple[CheckName, ...] = get_args(CheckName)
@@ -169,7 +169,7 @@ def smoke(cluster: str | None = None, *, skip: list[str] | None = None, steps: i
     pass/fail table printed, the report returned. CommandError when a check failed (the report is
     written all the same) or the checks could not run."""
     try:
-        with remote.cluster_operation(cluster, "smoke") as (state, record, spec):
+        with cluster_operation(cluster, "smoke") as (state, record, spec):
             power_up_all(record, spec, say, what="smoke")
             report = run_smoke(state, record, spec, skip=skip, steps=steps)
     except CheckError as e:
