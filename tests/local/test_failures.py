@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -13,12 +14,30 @@ from pathlib import Path
 
 import pytest
 
-from fsdpctl.state import cluster_state
+from fsdpctl.state import ClusterRecord, cluster_state
+from fsdpctl.targets.local import nodes
 from fsdpctl.targets.local.nodes import make_plan
 from infra.spec import load_spec
 from tests.local.conftest import REPO, fsdpctl, host_leftovers, spec_file
 
 pytestmark = pytest.mark.root
+
+ORPHAN = "fsdp0bad00br"  # a bridge name of fsdpctl's form that no cluster of these tests can have
+
+
+def add_bridge(name: str, address: str, alias: str | None = None) -> None:
+    subprocess.run(["ip", "link", "add", name, "type", "bridge"], check=True)
+    if alias is not None:
+        subprocess.run(["ip", "link", "set", "dev", name, "alias", alias], check=True)
+    subprocess.run(["ip", "addr", "add", address, "dev", name], check=True)
+
+
+@pytest.fixture
+def cleanup_links():
+    names: list[str] = []
+    yield names
+    for name in names:
+        subprocess.run(["ip", "link", "del", name], capture_output=True)
 
 
 def start_up(home: Path, spec: Path) -> subprocess.Popen:
@@ -52,9 +71,12 @@ def test_down_cleans_up_after_a_sigkilled_up(prerequisites, tmp_path):
     proc.kill()
     proc.communicate()
     assert host_leftovers(home, local), "the killed up should have left running nodes for down to find"
+    bridge_alias = Path(f"/sys/class/net/{local['bridge']}/ifalias").read_text().strip()
     down = fsdpctl(home, "down", "--yes")
     assert "is down" in down.stdout
     assert host_leftovers(home, local) == []
+    # its bridge named the state directory it belongs to, so a later `up` can tell a live one apart
+    assert bridge_alias == f"fsdpctl:{(home / 'clusters' / name).resolve()}"
 
 
 def test_sigterm_during_up_tears_down_what_it_made(prerequisites, tmp_path):
@@ -68,7 +90,8 @@ def test_sigterm_during_up_tears_down_what_it_made(prerequisites, tmp_path):
     assert host_leftovers(home, local) == []
 
 
-def test_failure_half_way_through_up_removes_everything_and_says_so(prerequisites, tmp_path, monkeypatch):
+def test_failure_half_way_through_up_removes_everything_and_says_so(prerequisites, tmp_path, monkeypatch,
+                                                                     cleanup_links):
     # A systemd-nspawn that refuses to start the second node, first on PATH.
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
@@ -78,11 +101,16 @@ def test_failure_half_way_through_up_removes_everything_and_says_so(prerequisite
                        'exec /usr/bin/systemd-nspawn "$@"\n')
     wrapper.chmod(0o755)
     home, name = tmp_path / "home", "lnt-fail"
+    # and the bridge of a run killed long ago (by an fsdpctl before bridges had an alias) on the subnet
+    cleanup_links.append(ORPHAN)
+    add_bridge(ORPHAN, "198.18.1.250/24")
     result = fsdpctl(home, "up", str(spec_file(tmp_path, name)), "--target", "local", check=False,
                      env={"PATH": f"{fake_bin}:{os.environ['PATH']}"})
     assert result.returncode == 1, result.stdout + result.stderr  # it ran and failed
     assert "lnt-fail-node1: systemd-nspawn exited 1" in result.stderr
     assert "simulated: cannot start" in result.stderr
+    assert (f"local: removed bridge {ORPHAN} on 198.18.1.0/24, left by an older fsdpctl, for a cluster "
+            "whose nodes are gone") in result.stdout
     assert "Everything `up` had created was removed" in result.stderr
     assert not (home / "clusters" / name).exists()
     # The state is gone with everything else, so derive the link names `up` used from its plan.
@@ -92,3 +120,34 @@ def test_failure_half_way_through_up_removes_everything_and_says_so(prerequisite
     names = [plan.bridge, *(node.veth for node in plan.nodes)]
     assert not [n for n in names if f" {n}:" in links or f" {n}@" in links]
     assert not any(str(home) in line for line in Path("/proc/mounts").read_text().splitlines())
+
+
+def test_only_a_bridge_nothing_uses_counts_as_left_behind(prerequisites, tmp_path, cleanup_links,
+                                                          monkeypatch):
+    monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
+    live = cluster_state("lnt-live")
+    live.root.mkdir(parents=True)
+    plan = make_plan(live, load_spec(spec_file(tmp_path, "lnt-live")), 2, Path("/unused"))
+    record = ClusterRecord(name="lnt-live", target="local", created_at=time.time(), local=plan)
+    live.state_path.write_text(record.model_dump_json())
+    gone = tmp_path / "home" / "clusters" / "lnt-gone"
+    cleanup_links += [plan.bridge, "fsdp0bad01br", "fsdp0bad02br", "fsdp0bad03br", "fsdp0bad04br",
+                      "fsdp0bad05v0"]
+    add_bridge(plan.bridge, "198.18.1.1/24", f"fsdpctl:{live.root}")  # a cluster's, still recorded
+    add_bridge("fsdp0bad01br", "198.18.1.241/24", f"fsdpctl:{gone}")  # its state directory was removed
+    add_bridge("fsdp0bad02br", "198.18.1.242/24")  # an older fsdpctl's
+    add_bridge("fsdp0bad03br", "198.18.2.1/24")  # another subnet
+    add_bridge("fsdp0bad04br", "198.18.1.244/24")  # a node is still attached to it
+    subprocess.run(["ip", "link", "add", "fsdp0bad05v0", "master", "fsdp0bad04br", "type", "veth",
+                    "peer", "name", "fsdp0bad05p0"], check=True)
+    assert nodes._orphan_bridges(ipaddress.ip_network("198.18.1.0/24")) == {
+        "fsdp0bad01br": f"the cluster at {gone}, which no longer exists",
+        "fsdp0bad02br": "an older fsdpctl, for a cluster whose nodes are gone"}
+    # a new cluster on the live one's subnet is told whose it is and how to take it down
+    new_spec = load_spec(spec_file(tmp_path, "lnt-new"))
+    new_plan = make_plan(cluster_state("lnt-new"), new_spec, 2, Path("/unused"))
+    assert (f"(cluster lnt-live's bridge: `FSDPCTL_HOME={tmp_path / 'home'} fsdpctl down --cluster lnt-live`)"
+            in " ".join(nodes._host_conflicts(new_plan)))
+    # once the record no longer names its bridge (after `down`), that bridge is left over too
+    live.state_path.write_text(record.model_copy(update={"local": None}).model_dump_json())
+    assert plan.bridge in nodes._orphan_bridges(ipaddress.ip_network("198.18.1.0/24"))

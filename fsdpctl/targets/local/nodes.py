@@ -22,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import ipaddress
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from fsdpctl.console import Out
-from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.errors import CommandError, StateError, UsageError
 from fsdpctl.processes import processes, signal_all
 from fsdpctl.remote import close_control_masters, run_all, ssh_options
 from fsdpctl.scripts import render_script
@@ -49,6 +51,9 @@ STOP_TIMEOUT_S = 30
 NSPAWN_RUNTIME_DIRS = ("/run/systemd/nspawn/propagate", "/run/systemd/nspawn/unix-export")
 NSPAWN_LOCKS_DIR = "/run/systemd/nspawn/locks"
 LAYER_ENV = "FSDPCTL_LOCAL_NODE_LAYER"
+# Every bridge `up` makes is named fsdp<6 hex digits>br and carries this alias + its state directory.
+BRIDGE_NAME = re.compile(r"fsdp[0-9a-f]{6}br")
+BRIDGE_ALIAS_PREFIX = "fsdpctl:"
 
 
 
@@ -92,6 +97,56 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
+def _bridge_owner(bridge: str) -> Path | None:
+    """The state directory of the cluster that made `bridge`, from the alias `up` gives it; None for
+    a bridge of an fsdpctl older than the alias."""
+    alias = Path(f"/sys/class/net/{bridge}/ifalias").read_text().strip()
+    return Path(alias.removeprefix(BRIDGE_ALIAS_PREFIX)) if alias.startswith(BRIDGE_ALIAS_PREFIX) else None
+
+
+def _owner_uses(owner: Path, bridge: str) -> bool:
+    """Whether the cluster record in `owner` still names `bridge` (an unreadable record counts as yes:
+    what cannot be judged is not removed)."""
+    state = ClusterState(name=owner.name, root=owner)
+    if not state.exists():
+        return False
+    try:
+        record = state.read().local
+    except StateError:
+        return True
+    return record is not None and record.bridge == bridge
+
+
+def _orphan_bridges(subnet: ipaddress.IPv4Network | ipaddress.IPv6Network) -> dict[str, str]:
+    """Bridges of local clusters that no longer exist (a SIGKILLed `up` or test run, a state
+    directory deleted without `down`) holding an address in `subnet`: fsdpctl's name, no node
+    attached, and no cluster record that still names them. Bridge -> who left it."""
+    orphans = {}
+    for link in Path("/sys/class/net").glob("fsdp*br"):
+        if not BRIDGE_NAME.fullmatch(link.name) or any((link / "brif").iterdir()):
+            continue
+        if not any(ipaddress.ip_interface(f"{a['local']}/{a['prefixlen']}").network.overlaps(subnet)
+                   for link_info in json.loads(_sh("ip", "-j", "-4", "addr", "show", "dev", link.name).stdout)
+                   for a in link_info["addr_info"]):
+            continue
+        owner = _bridge_owner(link.name)
+        if owner is None:
+            orphans[link.name] = "an older fsdpctl, for a cluster whose nodes are gone"
+        elif not _owner_uses(owner, link.name):
+            orphans[link.name] = f"the cluster at {owner}, which no longer exists"
+    return orphans
+
+
+def _owner_hint(route: list[str]) -> str:
+    """For a route on another local cluster's bridge: how to take that cluster down."""
+    device = route[route.index("dev") + 1] if "dev" in route else ""
+    owner = _bridge_owner(device) if BRIDGE_NAME.fullmatch(device) else None
+    if owner is None:
+        return ""
+    return (f" (cluster {owner.name}'s bridge: `FSDPCTL_HOME={owner.parent.parent} fsdpctl down "
+            f"--cluster {owner.name}`)")
+
+
 def _host_conflicts(plan: LocalRecord) -> list[str]:
     """Host routes or links that the new cluster would collide with."""
     problems = []
@@ -105,10 +160,19 @@ def _host_conflicts(plan: LocalRecord) -> list[str]:
         except ValueError:
             continue
         if net.prefixlen > 0 and net.overlaps(subnet):
-            problems.append(f"host route `{line.strip()}` overlaps local.subnet_cidr {subnet}")
+            problems.append(f"host route `{line.strip()}` overlaps local.subnet_cidr {subnet}"
+                            + _owner_hint(line.split()))
     problems += [f"link {name} already exists" for name in [plan.bridge, *(n.veth for n in plan.nodes)]
                  if _link_exists(name)]
     return problems
+
+
+def _remove_orphan_bridges(plan: LocalRecord, progress: Out) -> None:
+    """A run that was killed before `down` leaves its bridge on the host, which would block this
+    subnet for good; nothing uses it any more, so it goes."""
+    for bridge, left_by in _orphan_bridges(ipaddress.ip_network(plan.subnet)).items():
+        _sh("ip", "link", "del", bridge)
+        progress(f"local: removed bridge {bridge} on {plan.subnet}, left by {left_by}")
 
 
 def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Out = print) -> None:
@@ -118,6 +182,7 @@ def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Out = 
     started = time.monotonic()
     image = rootfs.ensure_rootfs(progress)
     plan = make_plan(state, spec, node_count, image)
+    _remove_orphan_bridges(plan, progress)
     conflicts = _host_conflicts(plan)
     if conflicts:
         raise CommandError("cannot create the local nodes: " + "; ".join(conflicts) + ". Another cluster "
@@ -149,6 +214,8 @@ def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
     Path(plan.shared_host_dir).mkdir(parents=True, exist_ok=True)
 
     _sh("ip", "link", "add", plan.bridge, "mtu", str(BRIDGE_MTU), "type", "bridge")
+    # Set before the address, so a bridge with an address and no alias is an older fsdpctl's.
+    _sh("ip", "link", "set", "dev", plan.bridge, "alias", f"{BRIDGE_ALIAS_PREFIX}{state.root.resolve()}")
     _sh("ip", "addr", "add", f"{plan.bridge_address}/{ipaddress.ip_network(plan.subnet).prefixlen}",
         "dev", plan.bridge)
     # The host must not route for the nodes, and IPv6 link-local would be a second way out.
