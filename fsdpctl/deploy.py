@@ -43,6 +43,7 @@ from fsdpctl import state as state_mod
 from fsdpctl.checkout import REPO_ROOT
 from fsdpctl.console import say, stage
 from fsdpctl.errors import CommandError
+from fsdpctl.filelock import exclusive
 from fsdpctl.scripts import render_script
 from fsdpctl.slurm_nodes import nodes_held_up
 from fsdpctl.state import ClusterRecord, ClusterState, DeployRecord
@@ -199,9 +200,15 @@ def _run_pip(args: list[str], what: str) -> None:
 
 
 def build_bundle(platform: NodePlatform, torch_pin: str | None) -> Bundle:
-    """Build (or reuse from the cache) the trainer wheel and the dependency wheelhouse."""
-    requirements = trainer_requirements(torch_pin)
+    """Build (or reuse from the cache) the trainer wheel and the dependency wheelhouse. Two deploys
+    at once (two clusters) share the cache, so one builds while the other waits, then reuses it."""
     root = cache_root()
+    with exclusive(root / ".build.lock"):
+        return _build_bundle(root, platform, torch_pin)
+
+
+def _build_bundle(root: Path, platform: NodePlatform, torch_pin: str | None) -> Bundle:
+    requirements = trainer_requirements(torch_pin)
     # The layout version is part of the key: a cached wheelhouse of an older layout is not reused.
     wheelhouse_key = _digest(WHEELHOUSE_LAYOUT, *requirements, platform.python, platform.machine,
                              platform.glibc)

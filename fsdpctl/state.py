@@ -45,6 +45,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fsdpctl.errors import StateError, UsageError
+from fsdpctl.filelock import exclusive
 from infra.spec import ClusterSpec, SpecError, load_spec
 from infra.spec.problems import echo, problems_from_validation
 
@@ -319,12 +320,8 @@ class ClusterState:
             progress(f"{path} is unreadable ({problem}); restored its last good copy {backup}")
             write_kept(path, text)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / "state.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return exclusive(self.root / "state.lock")
 
     def update(self, **fields: Any) -> ClusterRecord:
         """Set the given fields (validated) and return the new record; see `change`."""

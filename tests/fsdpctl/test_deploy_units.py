@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import tomllib
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from fsdpctl import deploy as deploy_mod
 from fsdpctl.deploy import (
     DeployError,
     NodePlatform,
@@ -105,3 +109,29 @@ def test_nodes_must_agree_on_python_and_have_venv():
         _common_platform({0: _facts(), 1: _facts(python="3.10")})
     with pytest.raises(DeployError, match=r"node\(s\) \[1\] lack Python's venv"):
         _common_platform({0: _facts(), 1: _facts(venv=False)})
+
+
+def test_two_deploys_at_once_build_the_bundle_once_and_share_it(tmp_path, monkeypatch):
+    """Two clusters deployed from one machine at once share the cache: pip (a stand-in here, as it
+    would download) must never run for both at the same time, and the second reuses the first's."""
+    monkeypatch.setenv("FSDPCTL_CACHE", str(tmp_path / "cache"))
+    running, calls, overlaps = [], [], []
+
+    def pip(args: list[str], what: str) -> None:
+        overlaps.append(len(running))
+        running.append(what)
+        calls.append(args[0])
+        time.sleep(0.3)
+        out = Path(args[args.index("--dest" if args[0] == "download" else "-w") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        name = "numpy-2.0.0-cp311-cp311-manylinux_2_17_x86_64.whl" if args[0] == "download" else \
+            "fsdp_cluster_trainer-0.1.0-py3-none-any.whl"
+        (out / name).write_bytes(b"wheel")
+        running.remove(what)
+
+    monkeypatch.setattr(deploy_mod, "_run_pip", pip)
+    platform = NodePlatform("3.11", "x86_64", "2.36")
+    with ThreadPoolExecutor(2) as pool:
+        bundles = list(pool.map(lambda _: deploy_mod.build_bundle(platform, "torch==2.13.0+cpu"), range(2)))
+    assert overlaps == [0, 0] and calls == ["download", "wheel"]
+    assert bundles[0] == bundles[1] and bundles[0].trainer_wheel.endswith(".whl")

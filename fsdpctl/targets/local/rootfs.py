@@ -10,7 +10,6 @@ new image. Builds run under an fcntl lock, so concurrent `fsdpctl up` runs wait 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -20,13 +19,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 from fsdpctl.checkout import ANSIBLE_DIR
 from fsdpctl.errors import CommandError
+from fsdpctl.filelock import exclusive
 
 SUITE = "bookworm"
 # What a node needs to be a host Ansible and the trainer can use, whatever the roles add.
@@ -98,17 +98,6 @@ def apt_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def ensure_rootfs(progress: Callable[[str], None] = print) -> Path:
     """The extracted, ready base image for the current package list; built or unpacked if needed."""
     packages = image_packages()
@@ -118,7 +107,7 @@ def ensure_rootfs(progress: Callable[[str], None] = print) -> Path:
         return root
     tarball = root.with_name(root.name + ".tar.zst")
     lock_path = cache_dir() / "rootfs.lock"
-    with _locked(lock_path):
+    with exclusive(lock_path):
         if (root / READY_MARKER).exists():  # another builder finished while we waited
             return root
         _remove_tree(root)
