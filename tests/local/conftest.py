@@ -1,5 +1,6 @@
-"""Helpers for the local-target tests: real systemd-nspawn nodes on 198.18.1.0/24, one FSDPCTL_HOME per
-module, and an independent look at the host for anything a cluster left behind."""
+"""Helpers for the local-target tests: real systemd-nspawn nodes, one FSDPCTL_HOME and one subnet per
+module (`make test` runs node test modules side by side), and an independent look at the host for
+anything a cluster left behind."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import yaml
 from fsdpctl.targets.local.host import missing_commands
 
 REPO = Path(__file__).resolve().parents[2]
-SUBNET = "198.18.1.0/24"  # this area's subnet; other areas' tests use other ones
+SUBNET = "198.18.1.0/24"  # test_configure's; every module that boots nodes has a subnet of its own
 
 
-def spec_file(directory: Path, name: str, *, node_count: int = 2, **overrides) -> Path:
+def spec_file(directory: Path, name: str, *, node_count: int = 2, subnet: str = SUBNET, **overrides) -> Path:
     spec = {"name": name, "region": "us-east-1", "availability_zone": "us-east-1b",
             "instance_type": "p4d.24xlarge", "node_count": node_count, "ssh_cidr": "203.0.113.0/24",
-            "local": {"subnet_cidr": SUBNET}, **overrides}
+            "local": {"subnet_cidr": subnet}, **overrides}
     path = directory / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path

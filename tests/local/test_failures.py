@@ -22,6 +22,8 @@ from tests.local.conftest import REPO, fsdpctl, host_leftovers, spec_file
 
 pytestmark = pytest.mark.root
 
+SUBNET = "198.18.5.0/24"  # this module's own subnet
+
 ORPHAN = "fsdp0bad00br"  # a bridge name of fsdpctl's form that no cluster of these tests can have
 
 
@@ -61,7 +63,7 @@ def wait_until_nodes_started(home: Path, name: str, proc: subprocess.Popen) -> d
 
 def test_down_cleans_up_after_a_sigkilled_up(prerequisites, tmp_path):
     home, name = tmp_path / "home", "lnt-kill"
-    spec = spec_file(tmp_path, name)
+    spec = spec_file(tmp_path, name, subnet=SUBNET)
     proc = start_up(home, spec)
     local = wait_until_nodes_started(home, name, proc)
     # a second `up` of the same cluster meanwhile is refused, and leaves the first one alone
@@ -81,7 +83,7 @@ def test_down_cleans_up_after_a_sigkilled_up(prerequisites, tmp_path):
 
 def test_sigterm_during_up_tears_down_what_it_made(prerequisites, tmp_path):
     home, name = tmp_path / "home", "lnt-term"
-    proc = start_up(home, spec_file(tmp_path, name))
+    proc = start_up(home, spec_file(tmp_path, name, subnet=SUBNET))
     local = wait_until_nodes_started(home, name, proc)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -103,13 +105,14 @@ def test_failure_half_way_through_up_removes_everything_and_says_so(prerequisite
     home, name = tmp_path / "home", "lnt-fail"
     # and the bridge of a run killed long ago (by an fsdpctl before bridges had an alias) on the subnet
     cleanup_links.append(ORPHAN)
-    add_bridge(ORPHAN, "198.18.1.250/24")
-    result = fsdpctl(home, "up", str(spec_file(tmp_path, name)), "--target", "local", check=False,
+    add_bridge(ORPHAN, "198.18.5.250/24")
+    spec = spec_file(tmp_path, name, subnet=SUBNET)
+    result = fsdpctl(home, "up", str(spec), "--target", "local", check=False,
                      env={"PATH": f"{fake_bin}:{os.environ['PATH']}"})
     assert result.returncode == 1, result.stdout + result.stderr  # it ran and failed
     assert "lnt-fail-node1: systemd-nspawn exited 1" in result.stderr
     assert "simulated: cannot start" in result.stderr
-    assert (f"local: removed bridge {ORPHAN} on 198.18.1.0/24, left by an older fsdpctl, for a cluster "
+    assert (f"local: removed bridge {ORPHAN} on 198.18.5.0/24, left by an older fsdpctl, for a cluster "
             "whose nodes are gone") in result.stdout
     assert "Everything `up` had created was removed" in result.stderr
     assert not (home / "clusters" / name).exists()
@@ -127,27 +130,27 @@ def test_only_a_bridge_nothing_uses_counts_as_left_behind(prerequisites, tmp_pat
     monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
     live = cluster_state("lnt-live")
     live.root.mkdir(parents=True)
-    plan = make_plan(live, load_spec(spec_file(tmp_path, "lnt-live")), 2, Path("/unused"))
+    plan = make_plan(live, load_spec(spec_file(tmp_path, "lnt-live", subnet=SUBNET)), 2, Path("/unused"))
     record = ClusterRecord(name="lnt-live", target="local", created_at=time.time(), local=plan)
     live.state_path.write_text(record.model_dump_json())
     gone = tmp_path / "home" / "clusters" / "lnt-gone"
     cleanup_links += [plan.bridge, "fsdp0bad01br", "fsdp0bad02br", "fsdp0bad03br", "fsdp0bad04br",
                       "fsdp0bad05v0"]
-    add_bridge(plan.bridge, "198.18.1.1/24", f"fsdpctl:{live.root}")  # a cluster's, still recorded
-    add_bridge("fsdp0bad01br", "198.18.1.241/24", f"fsdpctl:{gone}")  # its state directory was removed
-    add_bridge("fsdp0bad02br", "198.18.1.242/24")  # an older fsdpctl's
+    add_bridge(plan.bridge, "198.18.5.1/24", f"fsdpctl:{live.root}")  # a cluster's, still recorded
+    add_bridge("fsdp0bad01br", "198.18.5.241/24", f"fsdpctl:{gone}")  # its state directory was removed
+    add_bridge("fsdp0bad02br", "198.18.5.242/24")  # an older fsdpctl's
     add_bridge("fsdp0bad03br", "198.18.2.1/24")  # another subnet
-    add_bridge("fsdp0bad04br", "198.18.1.244/24")  # a node is still attached to it
+    add_bridge("fsdp0bad04br", "198.18.5.244/24")  # a node is still attached to it
     subprocess.run(["ip", "link", "add", "fsdp0bad05v0", "master", "fsdp0bad04br", "type", "veth",
                     "peer", "name", "fsdp0bad05p0"], check=True)
-    assert nodes._orphan_bridges(ipaddress.ip_network("198.18.1.0/24")) == {
+    assert nodes._orphan_bridges(ipaddress.ip_network("198.18.5.0/24")) == {
         "fsdp0bad01br": f"the cluster at {gone}, which no longer exists",
         "fsdp0bad02br": "an older fsdpctl, for a cluster whose nodes are gone"}
     # a new cluster on the live one's subnet is told whose it is and how to take it down
-    new_spec = load_spec(spec_file(tmp_path, "lnt-new"))
+    new_spec = load_spec(spec_file(tmp_path, "lnt-new", subnet=SUBNET))
     new_plan = make_plan(cluster_state("lnt-new"), new_spec, 2, Path("/unused"))
     assert (f"(cluster lnt-live's bridge: `FSDPCTL_HOME={tmp_path / 'home'} fsdpctl down --cluster lnt-live`)"
             in " ".join(nodes._host_conflicts(new_plan)))
     # once the record no longer names its bridge (after `down`), that bridge is left over too
     live.state_path.write_text(record.model_copy(update={"local": None}).model_dump_json())
-    assert plan.bridge in nodes._orphan_bridges(ipaddress.ip_network("198.18.1.0/24"))
+    assert plan.bridge in nodes._orphan_bridges(ipaddress.ip_network("198.18.5.0/24"))

@@ -18,6 +18,8 @@ from tests.local.conftest import fsdpctl, host_leftovers, read_state, spec_file
 
 pytestmark = pytest.mark.root
 
+SUBNET = "198.18.6.0/24"  # this module's own subnet
+
 NAME = "lnt-nodes"
 
 
@@ -25,7 +27,7 @@ NAME = "lnt-nodes"
 def cluster(prerequisites, tmp_path_factory):
     """(home, spec path) of a 2-node cluster that is up for the module and down afterwards."""
     home = tmp_path_factory.mktemp("home")
-    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME)
+    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, subnet=SUBNET)
     try:
         up = fsdpctl(home, "up", str(spec), "--target", "local")
         assert "2 node(s) up" in up.stdout
@@ -46,7 +48,7 @@ def test_state_records_nodes_ssh_and_shared_dir(cluster):
     data = read_state(home, NAME)
     assert data["target"] == "local"
     assert [(n["rank"], n["name"], n["address"]) for n in data["nodes"]] == [
-        (0, f"{NAME}-node0", "198.18.1.2"), (1, f"{NAME}-node1", "198.18.1.3")]
+        (0, f"{NAME}-node0", "198.18.6.2"), (1, f"{NAME}-node1", "198.18.6.3")]
     assert data["ssh"]["user"] == "root" and data["ssh"]["proxy_jump"] is None
     assert data["shared_dir"] == "/shared"
 
@@ -60,7 +62,7 @@ def test_each_node_has_its_own_identity(state):
     assert [lines[r][0] for r in (0, 1)] == [f"{NAME}-node0", f"{NAME}-node1"]
     assert lines[0][1] != lines[1][1], "machine-ids must differ"
     assert lines[0][2].split()[1] != lines[1][2].split()[1], "host keys must differ"
-    assert "198.18.1.2/24" in lines[0][3] and "198.18.1.3/24" in lines[1][3]
+    assert "198.18.6.2/24" in lines[0][3] and "198.18.6.3/24" in lines[1][3]
     failed_units = {r: lines[r][5:] for r in (0, 1)}  # what `systemctl --failed` lists
     assert [lines[r][4] for r in (0, 1)] == ["running", "running"], failed_units
 
@@ -80,11 +82,11 @@ def test_shared_dir_is_the_same_on_every_node(state):
 
 
 def test_nodes_reach_each_other_but_nothing_beyond_the_bridge(state):
-    assert remote.run(state, 0, "ping -c1 -W5 198.18.1.3").returncode == 0
+    assert remote.run(state, 0, "ping -c1 -W5 198.18.6.3").returncode == 0
     # 198.18.7.9 is in the benchmark range but not on this bridge: the only route to it is the
     # dead-end gateway, so the connection attempt must fail without any packet leaving the bridge.
     route = remote.run(state, 0, "ip route get 198.18.7.9").stdout
-    assert "via 198.18.1.254 dev eth0" in route
+    assert "via 198.18.6.254 dev eth0" in route
     probe = remote.run(state, 0, "timeout 5 bash -c 'exec 3<>/dev/tcp/198.18.7.9/22' && echo connected",
                        check=False)
     assert probe.returncode != 0 and "connected" not in probe.stdout
@@ -166,7 +168,7 @@ def test_replace_boots_a_fresh_node_with_the_same_rank_name_and_address(cluster,
     after = remote.run(state, 1, "hostname; cat /etc/machine-id; cat /root/marker 2>/dev/null; "
                                  "ip -4 -o addr show dev eth0").stdout.splitlines()
     assert after[0] == f"{NAME}-node1" and after[1] != old_id and "old" not in after
-    assert "198.18.1.3/24" in after[-1]
+    assert "198.18.6.3/24" in after[-1]
     assert remote.run(state, 0, "cat /root/marker").stdout == "old\n"
     assert read_state(home, NAME)["excluded"] == []
     assert "every node answers over SSH" in fsdpctl(home, "status").stdout
