@@ -157,6 +157,8 @@ def _job(ctx: CheckContext, name: str, module_args: list[str], **kwargs: Any) ->
 
 
 def check_fsdp(ctx: CheckContext) -> FsdpResult:
+    """Train `ctx.steps` steps with checkpoints, gate what the run logged, then resume from its last
+    checkpoint in a second run."""
     started = time.time()
     steps = ctx.steps
     interval = max(1, steps // 2)
@@ -187,57 +189,25 @@ def check_fsdp(ctx: CheckContext) -> FsdpResult:
         return FsdpResult(status="fail", summary=f"the run logged {len(lines)} of {steps} steps to {metrics}",
                           training=trained())
 
-    quarter = max(1, len(lines) // 4)
-    first = sum(r.loss for r in lines[:quarter]) / quarter
-    last = sum(r.loss for r in lines[-quarter:]) / quarter
-    if not last < first:
-        problems.append(f"loss did not decrease (mean of the first {quarter} steps {first:.4f}, "
-                        f"of the last {quarter} {last:.4f})")
-
-    ratio = max(r.mem_max_min_ratio for r in lines)
-    if ratio > MEMORY_BALANCE_BOUND:
-        problems.append(f"memory unbalanced: max/min peak memory across ranks {ratio:.2f} > "
-                        f"{MEMORY_BALANCE_BOUND}")
-
+    first, last, loss_problems = _loss_trend(lines)
+    problems += loss_problems
+    ratio, memory_problems = _memory_balance(lines)
+    problems += memory_problems
     timed = lines[1:] or lines  # the first step includes start-up work
-    shares = [r.grad_sync_share for r in timed if r.grad_sync_share is not None]
-    share = sum(shares) / len(shares) if shares else None
-    if ctx.on_gpu and share is None:
-        problems.append("gradient-sync share not measured: no step after the first was profiled (the "
-                        "trainer config's metrics.profile_steps is 0, or --steps is below 2)")
-    elif ctx.on_gpu and share >= GRAD_SYNC_SHARE_BOUND:
-        problems.append(f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})")
-
+    share, sync_problems = _grad_sync_share(timed, gated=ctx.on_gpu)
+    problems += sync_problems
     checkpoints = _list_checkpoints(ctx, ckpt) if ckpt else []
+    problems += _checkpoint_problems(ckpt, checkpoints)
     verified = [c for c in checkpoints if c.verified]
     # A training checkpoint has a step; a Hugging Face export in the directory has none.
     resumable = [c.step for c in verified if c.step is not None]
+    resume = None
     if ckpt is None:
         checkpoint_note = ("checkpoint and resume skipped: the cluster has no shared file system "
                            "(enable storage.fsx)")
-    elif not checkpoints:
-        problems.append(f"no checkpoint written under {ckpt}")
-    elif len(verified) != len(checkpoints):
-        bad = [p for c in checkpoints for p in c.problems]
-        problems.append("checkpoint manifest does not verify: " + "; ".join(bad[:3]))
-
-    resume = None
-    if resumable:
-        resume_steps = steps + max(2, steps // 4)
-        resumed_metrics = f"{ctx.work_dir}/fsdp-resume-metrics.jsonl"
-        job = _job(ctx, "fsdp-resume", trainer_args(ctx, steps=resume_steps, checkpoint_dir=ckpt,
-                                                   interval=interval, metrics=resumed_metrics,
-                                                   resume="auto"))
-        failure = job.failure(job.wait(RUN_TIMEOUT_S))
-        resumed = read_remote_metrics(ctx.record, ctx.ranks[0], resumed_metrics).steps
-        latest = max(resumable)
-        resume = ResumeFacts(from_step=latest, first_step=resumed[0].step if resumed else None,
-                             last_step=resumed[-1].step if resumed else None)
-        if failure:
-            problems.append(f"resume run failed: {failure}")
-        elif resume.first_step != latest + 1 or resume.last_step != resume_steps:
-            problems.append(f"resume did not continue from the checkpoint at step {latest}: "
-                            f"{resume.model_dump()}")
+    elif resumable:
+        resume, resume_problems = _resume(ctx, ckpt, from_step=max(resumable), interval=interval)
+        problems += resume_problems
         checkpoint_note = f"{len(verified)} checkpoint(s) verified; resumed at step {resume.first_step}"
 
     details = FsdpDetails(steps=len(lines), world_size=ctx.world_size, nccl_network=network, loss_first=first,
@@ -250,6 +220,70 @@ def check_fsdp(ctx: CheckContext) -> FsdpResult:
     sync = "not measured" if share is None else f"{share:.0%}"
     return FsdpResult(summary=(f"loss {first:.3f} -> {last:.3f}; memory max/min {ratio:.2f}; grad sync "
                                f"{sync}{sync_note}; {checkpoint_note}"), details=details, training=trained())
+
+
+def _loss_trend(lines: list[StepRecord]) -> tuple[float, float, list[str]]:
+    """Mean loss of the first and of the last quarter of the steps; the last must be lower."""
+    quarter = max(1, len(lines) // 4)
+    first = sum(r.loss for r in lines[:quarter]) / quarter
+    last = sum(r.loss for r in lines[-quarter:]) / quarter
+    if last < first:
+        return first, last, []
+    return first, last, [f"loss did not decrease (mean of the first {quarter} steps {first:.4f}, "
+                         f"of the last {quarter} {last:.4f})"]
+
+
+def _memory_balance(lines: list[StepRecord]) -> tuple[float, list[str]]:
+    """The worst max/min ratio of peak memory across ranks over the run: FSDP shards evenly."""
+    ratio = max(r.mem_max_min_ratio for r in lines)
+    if ratio > MEMORY_BALANCE_BOUND:
+        return ratio, [f"memory unbalanced: max/min peak memory across ranks {ratio:.2f} > "
+                       f"{MEMORY_BALANCE_BOUND}"]
+    return ratio, []
+
+
+def _grad_sync_share(timed: list[StepRecord], gated: bool) -> tuple[float | None, list[str]]:
+    """The mean share of a step spent in gradient sync over the profiled steps; gated only on GPUs
+    (on gloo it says little about the cluster)."""
+    shares = [r.grad_sync_share for r in timed if r.grad_sync_share is not None]
+    share = sum(shares) / len(shares) if shares else None
+    if gated and share is None:
+        return None, ["gradient-sync share not measured: no step after the first was profiled (the "
+                      "trainer config's metrics.profile_steps is 0, or --steps is below 2)"]
+    if gated and share >= GRAD_SYNC_SHARE_BOUND:
+        return share, [f"gradient sync takes {share:.0%} of the step (bound {GRAD_SYNC_SHARE_BOUND:.0%})"]
+    return share, []
+
+
+def _checkpoint_problems(ckpt: str | None, checkpoints: list[CheckpointListing]) -> list[str]:
+    """With a shared file system the run must have left checkpoints whose manifests verify."""
+    if ckpt is None:
+        return []
+    if not checkpoints:
+        return [f"no checkpoint written under {ckpt}"]
+    if all(c.verified for c in checkpoints):
+        return []
+    bad = [p for c in checkpoints for p in c.problems]
+    return ["checkpoint manifest does not verify: " + "; ".join(bad[:3])]
+
+
+def _resume(ctx: CheckContext, ckpt: str, from_step: int, interval: int) -> tuple[ResumeFacts, list[str]]:
+    """A second run with `--resume auto` must start at the step after the latest checkpoint and run to
+    its end."""
+    resume_steps = ctx.steps + max(2, ctx.steps // 4)
+    resumed_metrics = f"{ctx.work_dir}/fsdp-resume-metrics.jsonl"
+    job = _job(ctx, "fsdp-resume", trainer_args(ctx, steps=resume_steps, checkpoint_dir=ckpt,
+                                               interval=interval, metrics=resumed_metrics, resume="auto"))
+    failure = job.failure(job.wait(RUN_TIMEOUT_S))
+    resumed = read_remote_metrics(ctx.record, ctx.ranks[0], resumed_metrics).steps
+    resume = ResumeFacts(from_step=from_step, first_step=resumed[0].step if resumed else None,
+                         last_step=resumed[-1].step if resumed else None)
+    if failure:
+        return resume, [f"resume run failed: {failure}"]
+    if resume.first_step != from_step + 1 or resume.last_step != resume_steps:
+        return resume, [f"resume did not continue from the checkpoint at step {from_step}: "
+                        f"{resume.model_dump()}"]
+    return resume, []
 
 
 def per_rank_figures(lines: list[StepRecord]) -> list[RankPeakMemory]:
