@@ -2,6 +2,8 @@
 
 import contextlib
 
+pytest_plugins = ["tests.faults.summary"]
+
 # torch._dynamo registers a stand-in for sys.intern when it is first imported. Ansible, which the
 # template tests import in this same process, replaces sys.intern with a callable object, after
 # which that registration fails (TypeError: substitute_in_graph expects a function). Importing
