@@ -18,7 +18,7 @@ import yaml
 from fsdpctl import slurm_nodes
 from fsdpctl.errors import CommandError
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord
-from fsdpctl.targets.local.power import Agent
+from fsdpctl.targets.local.power import Agent, request_dir
 from tests.ansible.conftest import ROLES_DIR, render_template
 from tests.stand_ins import stand_in_commands
 
@@ -221,6 +221,31 @@ def test_the_agent_answers_a_failed_start_and_keeps_serving(tmp_path, monkeypatc
     agent = _agent(tmp_path)
     assert agent.handle("resume pw-node1") == "error: [Errno 2] No such file or directory: 'systemd-nspawn'"
     assert "resume pw-node1 failed: FileNotFoundError" in (agent.state.root / "power-agent.log").read_text()
+
+
+def test_the_agent_boots_a_replaced_node_with_its_new_identity(tmp_path, monkeypatch):
+    from fsdpctl.targets.local import nodes
+
+    booted = []
+    monkeypatch.setattr(nodes, "running_ranks", lambda plan: set())
+    monkeypatch.setattr(nodes, "power_on", lambda plan, node: booted.append(node.machine_id))
+    agent = _agent(tmp_path)
+    plan = agent.state.read().local
+    # `fsdpctl replace 1` while the agent runs: the node gets a new machine-id
+    replaced = plan.nodes[0].model_copy(update={"machine_id": "1" * 32})
+    agent.state.update(local=plan.model_copy(update={"nodes": [replaced]}))
+    assert agent.handle("resume pw-node1") == "ok"
+    assert booted == ["1" * 32]
+
+
+def test_the_agent_stops_once_its_cluster_state_is_gone(tmp_path):
+    """A test run killed before `down`, whose temporary FSDPCTL_HOME was then deleted, must not leave
+    its agent polling forever."""
+    agent = _agent(tmp_path)
+    request_dir(agent.plan).mkdir(parents=True)
+    agent.state.state_path.unlink()
+    agent.serve()  # returns at once instead of serving
+    assert "is gone: no cluster left to serve" in (agent.state.root / "power-agent.log").read_text()
 
 
 def test_the_agent_records_which_ranks_it_stopped_in_the_state(tmp_path):

@@ -69,6 +69,9 @@ class Agent:
         requests = request_dir(self.plan)
         self.say(f"serving {requests} for cluster {self.state.name} (pid {os.getpid()})")
         while not self.stopping:
+            if not self.state.exists():  # removed without `down` (a killed test run's temporary home)
+                self.say(f"{self.state.state_path} is gone: no cluster left to serve")
+                break
             for request in sorted(requests.glob("*.request")):
                 answer = self.handle(request.read_text())
                 partial = request.with_name(f".{request.stem}.answer")
@@ -91,15 +94,17 @@ class Agent:
         if len(words) != 2 or words[0] not in ("resume", "suspend"):
             return f"error: not a power request: {request.strip()[:100]!r}"
         action, name = words
-        node = next((n for n in self.plan.nodes if n.name == name), None)
-        if node is None:
-            return f"error: {name} is not a node of cluster {self.state.name}"
         started = time.monotonic()
         try:
+            # Read for each request: `fsdpctl replace` gives a node a new identity (machine-id) meanwhile.
+            plan = self.state.read().local or self.plan
+            node = next((n for n in plan.nodes if n.name == name), None)
+            if node is None:
+                return f"error: {name} is not a node of cluster {self.state.name}"
             if action == "resume":
-                self._resume(node)
+                self._resume(plan, node)
             else:
-                self._suspend(node)
+                self._suspend(plan, node)
         # The agent outlives a failed request: the power program sets that node DOWN with the answer.
         except (CommandError, OSError, subprocess.SubprocessError) as e:
             self.say(f"{action} {name} failed: {type(e).__name__}: {e}")
@@ -107,13 +112,13 @@ class Agent:
         self.say(f"{action} {name}: done in {time.monotonic() - started:.1f} s")
         return "ok"
 
-    def _resume(self, node: LocalNode) -> None:
-        if node.rank not in nodes.running_ranks(self.plan):
-            self.children[node.rank] = nodes.power_on(self.plan, node)
+    def _resume(self, plan: LocalRecord, node: LocalNode) -> None:
+        if node.rank not in nodes.running_ranks(plan):
+            self.children[node.rank] = nodes.power_on(plan, node)
         self._record(node.rank, powered_down=False)
 
-    def _suspend(self, node: LocalNode) -> None:
-        left = nodes.power_off(self.plan, node, self.say)
+    def _suspend(self, plan: LocalRecord, node: LocalNode) -> None:
+        left = nodes.power_off(plan, node, self.say)
         if left:
             raise CommandError(f"{node.name} did not stop: {'; '.join(left)}")
         self._record(node.rank, powered_down=True)
