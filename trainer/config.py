@@ -85,8 +85,8 @@ class ModelConfig(_Section):
     """Where an s3:// model.hf_dir is downloaded, once per node (shared or NVMe storage); empty:
     $FSDP_MODEL_CACHE, else ~/.cache/fsdp-cluster/models."""
     family: str = "gpt"
-    """The config.json `model_type` (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gpt_oss); gpt: the
-    project's own model (exported as llama, which it is shaped like)."""
+    """The config.json `model_type` (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, qwen2_moe,
+    gpt_oss); gpt: the project's own model (exported as llama, which it is shaped like)."""
     vocab_size: int = Field(default=32000, ge=2)
     """Tokens in the vocabulary (embedding and output projection rows)."""
     dim: int = Field(default=2048, ge=8)
@@ -146,6 +146,10 @@ class ModelConfig(_Section):
     blocks not in mlp_only_layers whose (index + 1) is a multiple of decoder_sparse_step."""
     router_bias: bool = False
     """A bias on the router's logits (gpt-oss)."""
+    shared_expert_ffn_dim: int = Field(default=0, ge=0)
+    """Qwen2-MoE's shared expert (shared_expert_intermediate_size): a SwiGLU of this width in every sparse
+    block that every token goes through, its output scaled by sigmoid(shared_expert_gate x) and added to
+    the routed experts'; 0: none."""
     expert_kind: Literal["swiglu", "gpt_oss"] = "swiglu"
     """swiglu: SwiGLU experts (Qwen3-MoE, Mixtral), stacked as transformers 5 holds them (gate_up_proj
     [experts, 2 x moe_ffn_dim, dim], gate rows then up rows, down_proj [experts, dim, moe_ffn_dim]).
@@ -184,6 +188,10 @@ class ModelConfig(_Section):
             if bad:
                 problems.append(Problem(key, bad, f"are not blocks 0..{self.n_layers - 1}",
                                         "list block indices below model.n_layers"))
+        if self.shared_expert_ffn_dim and not self.n_experts:
+            problems.append(Problem("model.shared_expert_ffn_dim", self.shared_expert_ffn_dim,
+                                    "is a shared expert of the sparse blocks, and model.n_experts is 0",
+                                    "set model.n_experts, or model.shared_expert_ffn_dim=0"))
         if self.sliding_layers and not self.sliding_window:
             problems.append(Problem("model.sliding_layers", self.sliding_layers, "needs model.sliding_window",
                                     "set model.sliding_window (tokens), or remove model.sliding_layers"))
@@ -240,6 +248,8 @@ class ModelConfig(_Section):
         if self.expert_kind == "gpt_oss":
             expert += 2 * self.expert_ffn_dim + self.dim  # the gate_up and down biases
         moe_ffn = experts * expert + self.n_experts * (self.dim + self.router_bias)  # + router
+        if self.shared_expert_ffn_dim:  # every token's: its SwiGLU and its gate
+            moe_ffn += 3 * self.dim * self.shared_expert_ffn_dim + self.dim
         per_layer = attention + 2 * self.dim
         output = 0 if self.tie_embeddings else self.dim * self.vocab_size
         return (self.n_layers * per_layer + (self.n_layers - sparse) * dense_ffn + sparse * moe_ffn
@@ -258,15 +268,22 @@ class ModelConfig(_Section):
 
     def lora_shapes(self, targets: list[str]) -> list[tuple[int, int]]:
         """(in, out) of every projection LoRA adapts for `targets` (Hugging Face module names):
-        attention in every block, the feed-forward in dense blocks only (experts stay frozen)."""
+        attention in every block, the feed-forward in dense blocks and the sparse blocks' shared expert
+        (the routed experts stay frozen)."""
         q, kv = self.n_heads * self.head_size, self.kv_heads * self.head_size
         attention = {"q_proj": (self.dim, q), "k_proj": (self.dim, kv), "v_proj": (self.dim, kv),
                      "o_proj": (q, self.dim)}
-        dense = {"gate_proj": (self.dim, self.ffn_dim), "up_proj": (self.dim, self.ffn_dim),
-                 "down_proj": (self.ffn_dim, self.dim)}
+
+        def swiglu(width: int) -> dict[str, tuple[int, int]]:
+            return {"gate_proj": (self.dim, width), "up_proj": (self.dim, width),
+                    "down_proj": (width, self.dim)}
+
+        dense, sparse = {**attention, **swiglu(self.ffn_dim)}, attention
+        if self.shared_expert_ffn_dim:
+            sparse = {**attention, **swiglu(self.shared_expert_ffn_dim)}
         shapes = []
         for layer in range(self.n_layers):
-            modules = attention if self.is_moe_layer(layer) else {**attention, **dense}
+            modules = sparse if self.is_moe_layer(layer) else dense
             shapes += [modules[name] for name in targets if name in modules]
         return shapes
 
@@ -503,12 +520,13 @@ class TrainConfig(_Section):
             problems.append(Problem("checkpoint.hf_export_dir", self.checkpoint.hf_export_dir,
                                     "asks for a Hugging Face export of the project's own model with experts "
                                     "(exports of it are Llama configs, which have none)",
-                                    "fine-tune a qwen3_moe, mixtral or gpt_oss model from model.hf_dir, "
-                                    "or leave it empty"))
+                                    "fine-tune a qwen3_moe, qwen2_moe, mixtral or gpt_oss model from "
+                                    "model.hf_dir, or leave it empty"))
         lora, m = self.parallel.lora, self.model
         attention = {"q_proj", "k_proj", "v_proj", "o_proj"}
         all_sparse = all(m.is_moe_layer(i) for i in range(m.n_layers))
-        if lora.enabled and m.n_experts and all_sparse and not attention & set(lora.target_modules):
+        if (lora.enabled and m.n_experts and all_sparse and not m.shared_expert_ffn_dim
+                and not attention & set(lora.target_modules)):
             problems.append(Problem("parallel.lora.target_modules", lora.target_modules,
                                     "adapts only feed-forward projections, and every block of this model has "
                                     "experts instead (they stay frozen under LoRA)",

@@ -111,14 +111,16 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     # Mixture of experts, kept simple: every token is routed to k experts, so the experts' saved
     # tensors are the dense ones for k x tokens at the expert width, plus the k routed copies of the
     # input and of the experts' outputs and the router's fp32 logits and probabilities.
-    k, fm = m.n_active_experts, m.expert_ffn_dim
+    k, fm, fs = m.n_active_experts, m.expert_ffn_dim, m.shared_expert_ffn_dim
     moe_feed_forward = rmsnorm + e * 4 * k * fm + 2 * e * k * h + 2 * 4 * m.n_experts
+    if fs:  # Qwen2-MoE's shared expert: a dense SwiGLU's tensors, its gate's logit and sigmoid, its output
+        moe_feed_forward += e * (4 * fs + 2 + h)
     if cfg.parallel.expert_parallel > 1:  # the all-to-alls' received rows and returned outputs
         moe_feed_forward += 2 * e * k * h
     per_moe_block = tokens * (attention + moe_feed_forward + scores)
     sparse = sum(m.is_moe_layer(i) for i in range(m.n_layers))
     blocks = (m.n_layers - sparse) * per_block + sparse * per_moe_block
-    widest = max(f if sparse < m.n_layers else 0, k * fm if sparse else 0)
+    widest = max(f if sparse < m.n_layers else 0, max(k * fm, fs) if sparse else 0)
     if sparse:
         per_block = max(per_block if sparse < m.n_layers else 0, per_moe_block)
     backward_transient = tokens * e * (3 * widest + 2 * h)  # gradients flowing through one block

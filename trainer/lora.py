@@ -9,9 +9,10 @@ units (it all-gathers mixed dtypes and reduce-scatters only the adapters' gradie
 are kept in the compute dtype (parallel.param_dtype): they need no fp32 master copy since they never
 change, which halves their memory under bf16.
 
-Mixture-of-experts models: the attention projections of every block and the feed-forward projections
-of the dense blocks get adapters; the router and the experts stay frozen (PEFT's default targets for
-Qwen3-MoE and gpt-oss are the same linear layers).
+Mixture-of-experts models: the attention projections of every block, the feed-forward projections of
+the dense blocks and those of Qwen2-MoE's shared expert get adapters; the router, the shared expert's
+gate and the routed experts stay frozen (the same linear layers PEFT's target_modules names match in
+transformers 5, whose routed experts are stacked parameters, not linear layers).
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def apply_lora(model: Transformer, cfg: LoraConfig, frozen_dtype: torch.dtype) -
             parent_name, attr = path.split(".")
             parent = getattr(block, parent_name)
             if isinstance(parent, MoEFeedForward):
-                continue  # a sparse block: its experts stay frozen
+                if parent.shared_expert is None:
+                    continue  # a sparse block: its experts stay frozen
+                # The feed-forward targets adapt the shared expert, a dense SwiGLU.
+                parent, path = parent.shared_expert, f"{parent_name}.shared_expert.{attr}"
             setattr(parent, attr, LoRALinear(getattr(parent, attr), cfg.rank, cfg.alpha))
             adapted.append(f"layers.{block_no}.{path}")
     for name, param in model.named_parameters():

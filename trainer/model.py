@@ -2,7 +2,8 @@
 configurable block that covers the project's own GPT and the Hugging Face Llama, Qwen2, Qwen3 and
 Mistral families (optional q/k/v and output biases, q/k RMSNorm, explicit head size, tied embeddings,
 Llama 3.1 and YaRN rope scaling, sliding-window layers, attention sinks), and the mixtures of experts
-of Qwen3-MoE, Mixtral and gpt-oss, whose sparse blocks swap the feed-forward for trainer/moe.py. Parameter
+of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss, whose sparse blocks swap the feed-forward for
+trainer/moe.py (Qwen2-MoE's keeps a SwiGLU of its own beside the experts, the shared expert). Parameter
 names are the project's; trainer/hf/adapter.py maps them to and from the Hugging Face names.
 
 Rotary embeddings rotate the two halves of each head (x[:d/2], x[d/2:]), the layout Hugging Face
@@ -227,11 +228,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The SwiGLU w2(silu(w1 x) * w3 x): a dense block's feed-forward, or Qwen2-MoE's shared expert."""
+
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -243,7 +246,12 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
+        self.feed_forward: MoEFeedForward | FeedForward
+        if cfg.is_moe_layer(layer_id):
+            shared = FeedForward(cfg.dim, cfg.shared_expert_ffn_dim) if cfg.shared_expert_ffn_dim else None
+            self.feed_forward = MoEFeedForward(cfg, shared_expert=shared)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         # Attends within cfg.sliding_window tokens (the Transformer passes this block that mask).
         self.sliding = cfg.is_sliding_layer(layer_id)
         # Set by parallelize: recompute this block's activations in backward instead of storing them.

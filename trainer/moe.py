@@ -1,10 +1,10 @@
-"""The mixture-of-experts feed-forward of Qwen3-MoE, Mixtral and gpt-oss, used by the blocks that
-ModelConfig.is_moe_layer names; the other blocks keep the dense SwiGLU of trainer/model.py.
+"""The mixture-of-experts feed-forward of Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss, used by the blocks
+that ModelConfig.is_moe_layer names; the other blocks keep the dense SwiGLU of trainer/model.py.
 
 Per token: router logits (a linear layer, with a bias for gpt-oss) -> softmax over all experts (fp32)
 -> the top-k probabilities -> renormalised to sum to 1 when `norm_topk_prob` (Mixtral always; gpt-oss's
 softmax over the chosen experts' logits is exactly that) -> the weighted sum of the k chosen experts'
-outputs.
+outputs; Qwen2-MoE adds its shared expert's output times sigmoid(shared_expert_gate x).
 
 Experts are stacked, [experts, ...] per parameter, for every family: Qwen3-MoE's and Mixtral's SwiGLU
 experts as transformers 5 and torchtitan hold them (SwiGLUExperts: gate_up_proj, down_proj, each
@@ -219,7 +219,13 @@ def exchange_with_experts(routed: torch.Tensor, counts: torch.Tensor, experts: S
 
 
 class MoEFeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The router and the stacked experts; with `shared_expert` (Qwen2-MoE: a dense SwiGLU, built by
+    trainer/model.py) also that expert, which every token goes through, its output scaled by
+    sigmoid(shared_expert_gate x) (a linear layer to one logit, no bias) and added to the routed
+    experts' sum. The shared expert is dense: FSDP shards it with the block, expert parallelism leaves
+    it whole on every rank."""
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.n_active_experts
         self.norm_topk_prob = cfg.norm_topk_prob
@@ -230,6 +236,8 @@ class MoEFeedForward(nn.Module):
                                          cfg.swiglu_limit)
         else:
             self.experts = SwiGLUExperts(cfg.dim, cfg.expert_ffn_dim, cfg.n_experts)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(cfg.dim, 1, bias=False) if shared_expert is not None else None
         self.stats: RouterStats | None = None
         # Set by trainer/parallelize.py when parallel.expert_parallel > 1.
         self.expert_parallel: ExpertParallel | None = None
@@ -250,6 +258,8 @@ class MoEFeedForward(nn.Module):
             outputs = exchange_with_experts(flat[token_of], counts, self.experts, self.expert_parallel)
         outputs = outputs * weights.reshape(-1)[order, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, outputs.to(flat.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         self.stats = RouterStats(counts.float().detach(), probs.sum(dim=0), flat.shape[0])
         return out.reshape(shape)
 

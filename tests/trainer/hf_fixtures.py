@@ -8,7 +8,8 @@ reference losses with transformers' own modelling code in fp32 with eager attent
 CPU), for the trainer's numbers to be compared against.
 
 Everything is seeded and small: a model has 2 layers (qwen3-moe: one dense, one of 8 experts, top-2;
-mixtral: both of 4 experts, top-2, a 16-token window; gpt-oss: a sliding-window block and a full one,
+mixtral: both of 4 experts, top-2, a 16-token window; qwen2-moe: one dense, one of 8 experts, top-2, plus
+a shared expert; gpt-oss: a sliding-window block and a full one,
 4 stacked experts, top-2, YaRN, sinks), hidden 64, a
 ~400-token byte-level BPE vocabulary, and builds, saves and evaluates in well under 2 s on CPU.
 Biases and norm weights are random rather than 0/1, so a loader that skips them changes the loss and
@@ -31,6 +32,7 @@ FAMILIES = ("llama", "llama-tied", "qwen2", "qwen3", "mistral", "qwen3-moe")
 # Built by make_model too, tested on their own (tests/trainer/test_gpt_oss.py, tests/trainer/test_moe.py).
 GPT_OSS = "gpt-oss"
 MIXTRAL = "mixtral"
+QWEN2_MOE = "qwen2-moe"  # tests/trainer/test_qwen2_moe.py
 
 BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
@@ -164,6 +166,7 @@ def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int,
         MistralConfig,
         MixtralConfig,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
         Qwen3MoeConfig,
     )
@@ -208,6 +211,16 @@ def _config(family: str, *, vocab_size: int, layers: int, hidden: int, bos: int,
                               tie_word_embeddings=False, use_sliding_window=False, sliding_window=None,
                               num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1,
+                              router_aux_loss_coef=0.01, output_router_logits=False)
+    if family == QWEN2_MOE:
+        # As qwen3-moe, with Qwen2's attention (q/k/v biases, no q/k norm, head size hidden / heads), the
+        # top-2 weights not renormalised (Qwen1.5-MoE's default) and a shared expert of 48 beside the
+        # routed experts in block 1.
+        rope = {"rope_type": "default", "rope_theta": 1e6}
+        return Qwen2MoeConfig(**common, rope_parameters=rope, tie_word_embeddings=False,
+                              use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                              norm_topk_prob=False, mlp_only_layers=[0], decoder_sparse_step=1,
                               router_aux_loss_coef=0.01, output_router_logits=False)
     if family == "mistral":
         # A window shorter than the tests' sequences, so that every block's sliding window matters.

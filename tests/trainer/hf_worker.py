@@ -43,11 +43,11 @@ def _config(model_dir: str, docs: str | None = None, extra: tuple[str, ...] = ()
 
 
 def reference_grads(reference) -> dict[str, torch.Tensor]:
-    """transformers' gradients by checkpoint key: transformers 5 keeps a Qwen3-MoE block's experts
+    """transformers' gradients by checkpoint key: transformers 5 keeps a Qwen3-MoE (Qwen2-MoE) block's experts
     stacked in memory (`mlp.experts.gate_up_proj` [E, 2 x ffn, hidden], gate rows first;
     `mlp.experts.down_proj` [E, hidden, ffn]) and saves them per expert (`mlp.experts.{e}.gate_proj.weight`,
     ...); gpt-oss saves its stacked experts as they are."""
-    per_expert = reference.config.model_type == "qwen3_moe"
+    per_expert = reference.config.model_type in ("qwen3_moe", "qwen2_moe")
     out = {}
     for name, param in reference.named_parameters():
         if not per_expert:

@@ -82,7 +82,7 @@ def test_config_fields_and_counts(moe):
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("shared_expert_intermediate_size", 64, "shared expert"),
     ("router_jitter_noise", 0.1, "router noise"),
-    ("model_type", "qwen2_moe", "mixture-of-experts"),
+    ("n_shared_experts", 2, "shared experts"),
 ])
 def test_unsupported_moe_fields_are_refused_by_name(moe, field, value, words):
     with pytest.raises(ConfigError) as e:

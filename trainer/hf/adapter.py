@@ -1,14 +1,15 @@
 """The state-dict adapter: the trainer's parameter names to and from the Hugging Face names of the
-Llama-style families (llama, mistral, qwen2, qwen3 share them; qwen3_moe and mixtral add a router and
-per-expert projections; gpt_oss its `router`, stacked experts and attention sinks), and LoRA adapters
+Llama-style families (llama, mistral, qwen2, qwen3 share them; qwen3_moe, qwen2_moe and mixtral add a
+router and per-expert projections, qwen2_moe also its shared expert (`mlp.shared_expert.*_proj`,
+`mlp.shared_expert_gate`); gpt_oss its `router`, stacked experts and attention sinks), and LoRA adapters
 to PEFT's names.
 
 The rotary layout needs no mapping: the model rotates halves as the checkpoints store them
 (trainer/model.py), so every tensor is read and written as it is, slice by slice. The experts are
-stacked in the model for every family (trainer/moe.py); Qwen3-MoE's and Mixtral's checkpoints store
-each expert's projections apart (as transformers' save_pretrained writes them, though transformers 5
-stacks them in memory too), so each of those is one expert's row of a stacked parameter, or for the
-gate and up projections, one half of that row (`CheckpointTensor`).
+stacked in the model for every family (trainer/moe.py); Qwen3-MoE's, Qwen2-MoE's and Mixtral's
+checkpoints store each expert's projections apart (as transformers' save_pretrained writes them, though
+transformers 5 stacks them in memory too), so each of those is one expert's row of a stacked parameter,
+or for the gate and up projections, one half of that row (`CheckpointTensor`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,18 @@ _BLOCK = {
     "feed_forward.w2": "mlp.down_proj",
     "feed_forward.w3": "mlp.up_proj",
 }
+# Qwen2-MoE's shared expert: the dense feed-forward's projections inside the sparse block, and its gate.
+_SHARED_EXPERT = {
+    **{ours.replace("feed_forward.", "feed_forward.shared_expert."):
+       theirs.replace("mlp.", "mlp.shared_expert.") for ours, theirs in _BLOCK.items()
+       if ours.startswith("feed_forward.")},
+    "feed_forward.shared_expert_gate": "mlp.shared_expert_gate",
+}
+_BLOCK_MODULES = {**_BLOCK, **_SHARED_EXPERT}
 # Families whose checkpoints store each expert apart: the sparse block's module and the names of an
 # expert's gate, up and down projections, as transformers' save_pretrained writes them.
 _PER_EXPERT = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+               "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
                "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
 _HF_EXPERT = re.compile(r"^(mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
 # The stacked parameter each per-expert projection is part of.
@@ -47,7 +57,8 @@ _UNSUFFIXED = {"attention.sinks": "self_attn.sinks",
                   for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}}
 _UNSUFFIXED_NAME = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_UNSUFFIXED_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# The router's module: Qwen3-MoE calls it mlp.gate, Mixtral block_sparse_moe.gate, gpt-oss mlp.router.
+# The router's module: Qwen3-MoE and Qwen2-MoE call it mlp.gate, Mixtral block_sparse_moe.gate, gpt-oss
+# mlp.router.
 _ROUTER = {"gpt_oss": "mlp.router", "mixtral": "block_sparse_moe.gate"}
 _HF_ROUTERS = ("mlp.gate", "mlp.router", "block_sparse_moe.gate")
 _TOP = {
@@ -57,7 +68,8 @@ _TOP = {
 }
 _BLOCK_NAME = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias|lora_a|lora_b)$")
 _HF_BLOCK_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-# The linear layers LoRA can target, by the names PEFT users write in target_modules.
+# The linear layers LoRA can target, by the names PEFT users write in target_modules (the feed-forward's
+# also name the shared expert's: trainer/lora.py).
 LORA_TARGETS = {hf.split(".")[-1]: ours for ours, hf in _BLOCK.items() if hf.endswith("_proj")}
 PEFT_PREFIX = "base_model.model."
 
@@ -119,9 +131,9 @@ def to_hf(name: str, family: str) -> str:
     layer, module, kind = match.groups()
     if module == "feed_forward.router":
         return f"model.layers.{layer}.{_ROUTER.get(family, 'mlp.gate')}.{kind}"
-    if module not in _BLOCK:
+    if module not in _BLOCK_MODULES:
         raise UnknownParameter(name)
-    return f"model.layers.{layer}.{_BLOCK[module]}.{kind}"
+    return f"model.layers.{layer}.{_BLOCK_MODULES[module]}.{kind}"
 
 
 def from_hf(name: str) -> str:
@@ -143,7 +155,7 @@ def from_hf(name: str) -> str:
     expert = _HF_EXPERT.match(module)
     if expert is not None and kind == "weight":
         return f"layers.{layer}.feed_forward.experts.{_STACKED_OF[expert.group(3)]}"
-    reverse = {theirs: ours for ours, theirs in _BLOCK.items()}
+    reverse = {theirs: ours for ours, theirs in _BLOCK_MODULES.items()}
     if module not in reverse:
         raise UnknownParameter(name)
     return f"layers.{layer}.{reverse[module]}.{kind}"
@@ -161,4 +173,4 @@ def to_peft(name: str) -> str:
         raise UnknownParameter(name)
     layer, module, kind = match.groups()
     matrix = "lora_A" if kind == "lora_a" else "lora_B"
-    return f"{PEFT_PREFIX}model.layers.{layer}.{_BLOCK[module]}.{matrix}.weight"
+    return f"{PEFT_PREFIX}model.layers.{layer}.{_BLOCK_MODULES[module]}.{matrix}.weight"

@@ -10,20 +10,25 @@ The families share one block (trainer/model.py); what differs is read here:
 | qwen2   | always | - | - | hidden/heads | default |
 | qwen3   | attention_bias | attention_bias | yes | head_dim | default |
 | qwen3_moe | attention_bias | attention_bias | yes | head_dim | default |
+| qwen2_moe | qkv_bias (default true) | - | - | head_dim or hidden/heads | default |
 | gpt_oss | attention_bias (true) | attention_bias (true) | - | head_dim | yarn |
 
 Sliding-window layers come from layer_types (transformers 5 writes it for every family; gpt-oss:
 every other block), else from Mistral's and Mixtral's sliding_window (every block), else from Qwen2/3's
-use_sliding_window (the blocks from max_window_layers on).
+use_sliding_window (the blocks from max_window_layers on; refused for qwen2_moe, whose rule differs).
 
 qwen3_moe adds the mixture of experts (trainer/moe.py): num_experts (transformers 5 writes
 num_local_experts), num_experts_per_tok, moe_intermediate_size, norm_topk_prob, and which blocks are
 sparse (not in mlp_only_layers, (index + 1) a multiple of decoder_sparse_step; the others keep the
-dense intermediate_size feed-forward). mixtral makes every block sparse with num_local_experts SwiGLU
-experts of intermediate_size, the top-k always renormalised. gpt_oss makes every block sparse with
+dense intermediate_size feed-forward). qwen2_moe reads the same fields and adds to every sparse block
+a shared expert (shared_expert_intermediate_size) gated by sigmoid(shared_expert_gate x). mixtral makes
+every block sparse with num_local_experts SwiGLU experts of intermediate_size, the top-k always
+renormalised. gpt_oss makes every block sparse with
 num_local_experts stacked experts of intermediate_size (biases, clamped SwiGLU: swiglu_alpha,
 swiglu_limit), a router with a bias, and attention sinks. router_aux_loss_coef counts when
-output_router_logits is true, as in transformers. Shared experts and router noise are refused by name.
+output_router_logits is true, as in transformers. Other shared-expert fields (n_shared_experts,
+num_shared_experts, shared_expert_intermediate_size outside qwen2_moe) and router noise are refused by
+name.
 
 Both spellings of the rotary settings are read: transformers 4 writes `rope_theta` + `rope_scaling`,
 transformers 5 `rope_parameters`. Anything this trainer would compute differently from transformers
@@ -40,10 +45,11 @@ from typing import Any
 
 from trainer.errors import ConfigError, Problem
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gpt_oss")
-# The next mixture-of-experts families: named in the refusal so users know they are coming, not mistyped.
-MOE_FAMILIES = ("qwen2_moe",)
-# Mixture-of-experts fields this trainer does not implement: refused when set (non-zero, non-empty).
+SUPPORTED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss")
+# The one family whose sparse blocks have a shared expert (shared_expert_intermediate_size).
+SHARED_EXPERT_FAMILY = "qwen2_moe"
+# Mixture-of-experts fields this trainer does not implement: refused when set (non-zero, non-empty);
+# shared_expert_intermediate_size only outside SHARED_EXPERT_FAMILY.
 _UNSUPPORTED_MOE_FIELDS = {
     "shared_expert_intermediate_size": "a shared expert",
     "n_shared_experts": "shared experts",
@@ -151,9 +157,12 @@ def _rope(raw: dict[str, Any], problems: list[Problem], where: str) -> dict[str,
 
 
 def _moe(raw: dict[str, Any], family: str, problems: list[Problem], where: str) -> dict[str, Any]:
-    """Qwen3-MoE's and Mixtral's expert fields, as transformers' Qwen3MoeDecoderLayer and
-    MixtralDecoderLayer read them."""
+    """Qwen3-MoE's, Qwen2-MoE's and Mixtral's expert fields, as transformers' Qwen3MoeDecoderLayer,
+    Qwen2MoeDecoderLayer and MixtralDecoderLayer read them."""
+    shared = family == SHARED_EXPERT_FAMILY
     for name, what in _UNSUPPORTED_MOE_FIELDS.items():
+        if shared and name == "shared_expert_intermediate_size":
+            continue
         if raw.get(name):
             problems.append(Problem(f"{where}: {name}", raw[name], f"asks for {what}, which this trainer "
                                     "does not implement", "use a model without it"))
@@ -178,6 +187,13 @@ def _moe(raw: dict[str, Any], family: str, problems: list[Problem], where: str) 
               "moe_ffn_dim": names[width_field], "router_aux_loss_coef": coef}
     if mixtral:  # every block sparse, the top-k always renormalised
         return {**fields, "norm_topk_prob": True}
+    if shared:
+        width = raw.get("shared_expert_intermediate_size")
+        if not isinstance(width, int) or width < 1:
+            problems.append(Problem(f"{where}: shared_expert_intermediate_size", width, "is missing or not a "
+                                    "positive integer", "restore the model's config.json"))
+            return {}
+        fields["shared_expert_ffn_dim"] = width
     step = raw.get("decoder_sparse_step") or 1
     dense = set(raw.get("mlp_only_layers") or [])
     sparse = [i for i in range(raw["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0]
@@ -218,6 +234,13 @@ def _sliding(raw: dict[str, Any], family: str, problems: list[Problem], where: s
         sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     elif family in ("mistral", "mixtral") and raw.get("sliding_window"):
         sliding = list(range(n_layers))
+    elif raw.get("use_sliding_window") and family == "qwen2_moe":
+        problems.append(Problem(f"{where}: use_sliding_window", True, "has no layer_types saying which "
+                                "blocks slide (transformers 5 picks every other block below "
+                                "max_window_layers for qwen2_moe, unlike qwen2's rule)",
+                                "add the layer_types that transformers' save_pretrained writes, or set "
+                                "use_sliding_window false"))
+        return {}
     elif raw.get("use_sliding_window"):
         sliding = list(range(raw.get("max_window_layers", 0), n_layers))
     else:
@@ -232,9 +255,8 @@ def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
     problems: list[Problem] = []
     family = raw.get("model_type")
     if family not in SUPPORTED_FAMILIES:
-        later = " (mixture-of-experts: not yet supported)" if family in MOE_FAMILIES else ""
-        raise ConfigError([Problem(f"{where}: model_type", family, f"is not a family this trainer "
-                                   f"implements{later}", f"use one of: {', '.join(SUPPORTED_FAMILIES)}")])
+        raise ConfigError([Problem(f"{where}: model_type", family, "is not a family this trainer implements",
+                                   f"use one of: {', '.join(SUPPORTED_FAMILIES)}")])
     required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
     missing = [name for name in required if not isinstance(raw.get(name), int)]
     if missing:
@@ -259,12 +281,13 @@ def architecture_from_dict(raw: dict[str, Any], where: str) -> HFArchitecture:
         "max_seq_len": int(raw.get("max_position_embeddings", 2048)),
         "norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(raw.get("tie_word_embeddings", False)),
-        "qkv_bias": True if family == "qwen2" else attention_bias,
-        "o_bias": False if family in ("qwen2", "mistral", "mixtral") else attention_bias,
+        # Qwen2 always; Qwen2-MoE unless transformers 5's qkv_bias says otherwise.
+        "qkv_bias": {"qwen2": True, "qwen2_moe": bool(raw.get("qkv_bias", True))}.get(family, attention_bias),
+        "o_bias": False if family in ("qwen2", "qwen2_moe", "mistral", "mixtral") else attention_bias,
         "qk_norm": family in ("qwen3", "qwen3_moe"),
         **_rope(raw, problems, where),
     }
-    if family in ("qwen3_moe", "mixtral"):
+    if family in ("qwen3_moe", "qwen2_moe", "mixtral"):
         fields.update(_moe(raw, family, problems, where))
     if family == "gpt_oss":
         fields.update(_gpt_oss_moe(raw, problems, where))

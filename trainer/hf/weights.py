@@ -307,8 +307,8 @@ def hf_config_dict(model_cfg: ModelConfig, architecture: HFArchitecture | None, 
     if model_cfg.n_experts:
         raise ConfigError([Problem("model.n_experts", model_cfg.n_experts, "has no Hugging Face export for "
                                    "the project's own model (exports of it are Llama configs)",
-                                   "fine-tune a qwen3_moe, mixtral or gpt_oss model from model.hf_dir, "
-                                   "or export no HF copy")])
+                                   "fine-tune a qwen3_moe, qwen2_moe, mixtral or gpt_oss model from "
+                                   "model.hf_dir, or export no HF copy")])
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": model_type_of(model_cfg.family),
         "vocab_size": model_cfg.vocab_size, "hidden_size": model_cfg.dim,
