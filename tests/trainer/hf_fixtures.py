@@ -346,6 +346,19 @@ def reference_eval(model_dir: Path, docs: list[str], seq_len: int) -> tuple[floa
     return (total / count if count else math.nan), count
 
 
+def assert_export_reloads_and_learned(source: Path, export: Path, docs: list[str], seq_len: int) -> dict:
+    """A trained model's export loads in transformers with no missing, unexpected or mismatched key and
+    evaluates clearly below the model it started from; its config.json, for the caller's own checks."""
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not any(info.values()), info
+    before, _ = reference_eval(source, docs, seq_len)
+    after, _ = reference_eval(export, docs, seq_len)
+    assert after < before - 0.05
+    return json.loads((export / "config.json").read_text())
+
+
 def render(tok, messages: list[dict], add_generation_prompt: bool = False) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 

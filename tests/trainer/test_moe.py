@@ -25,7 +25,13 @@ import pytest
 import torch
 
 from tests.trainer.conftest import assert_ok, torchrun
-from tests.trainer.hf_fixtures import MIXTRAL, load_reference, make_model, reference_eval
+from tests.trainer.hf_fixtures import (
+    MIXTRAL,
+    assert_export_reloads_and_learned,
+    load_reference,
+    make_model,
+    reference_eval,
+)
 from tests.trainer.test_gpt_oss import assert_same_losses_resumed_without_expert_parallel
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
 from trainer.config import ModelConfig, load_config
@@ -225,14 +231,7 @@ def test_train_with_expert_parallelism_export_reload_and_resume_without_it(moe, 
     for name in ("model.layers.1.mlp.gate.weight", *(f"model.layers.1.mlp.experts.{e}.down_proj.weight"
                                                       for e in range(8))):
         assert not torch.equal(exported[name], original[name]), name
-    from transformers import AutoModelForCausalLM
-
-    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
-    assert not any(info.values()), info
-    assert json.loads((export / "config.json").read_text())["model_type"] == "qwen3_moe"
-    before, _ = reference_eval(moe, texts, SEQ_LEN)
-    after, _ = reference_eval(export, texts, SEQ_LEN)
-    assert after < before - 0.05
+    assert assert_export_reloads_and_learned(moe, export, texts, SEQ_LEN)["model_type"] == "qwen3_moe"
 
 
 def test_estimate_counts_the_experts(moe):
@@ -367,10 +366,4 @@ def test_mixtral_train_with_expert_parallelism_export_reload(mixtral, docs, tmp_
     for name in ("model.layers.0.block_sparse_moe.gate.weight",
                  *(f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight" for e in range(4))):
         assert not torch.equal(exported[name], original[name]), name
-    from transformers import AutoModelForCausalLM
-
-    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "export", output_loading_info=True)
-    assert not any(info.values()), info
-    before, _ = reference_eval(mixtral, texts, SEQ_LEN)
-    after, _ = reference_eval(tmp_path / "export", texts, SEQ_LEN)
-    assert after < before - 0.05
+    assert_export_reloads_and_learned(mixtral, tmp_path / "export", texts, SEQ_LEN)

@@ -22,7 +22,13 @@ import pytest
 import torch
 
 from tests.trainer.conftest import assert_ok, torchrun
-from tests.trainer.hf_fixtures import QWEN2_MOE, load_reference, make_model, reference_eval
+from tests.trainer.hf_fixtures import (
+    QWEN2_MOE,
+    assert_export_reloads_and_learned,
+    load_reference,
+    make_model,
+    reference_eval,
+)
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
 from trainer.config import load_config
 from trainer.errors import ConfigError
@@ -171,11 +177,4 @@ def test_train_with_expert_parallelism_export_reload(qwen2_moe, docs, tmp_path):
         k: (v.shape, v.dtype) for k, v in original.items()}
     for name in ("mlp.gate.weight", *SHARED, *(f"mlp.experts.{e}.down_proj.weight" for e in range(8))):
         assert not torch.equal(exported[f"model.layers.1.{name}"], original[f"model.layers.1.{name}"]), name
-    from transformers import AutoModelForCausalLM
-
-    _, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
-    assert not any(info.values()), info
-    assert json.loads((export / "config.json").read_text())["model_type"] == "qwen2_moe"
-    before, _ = reference_eval(qwen2_moe, texts, SEQ_LEN)
-    after, _ = reference_eval(export, texts, SEQ_LEN)
-    assert after < before - 0.05
+    assert assert_export_reloads_and_learned(qwen2_moe, export, texts, SEQ_LEN)["model_type"] == "qwen2_moe"
