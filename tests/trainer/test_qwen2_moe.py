@@ -9,8 +9,10 @@ of 32, top-2 (not renormalised) and a shared expert of 48 behind its sigmoid gat
 - the sparse block's output equal to transformers' Qwen2MoeSparseMoeBlock on a fixed input;
 - LoRA adapts the shared expert where it adapts a dense feed-forward (PEFT's names), and the estimate
   counts its activations;
-- `trainer eval` on 2 ranks with and without expert parallelism, one step's gradients with EP 2, and 8
-  training steps on 2 ranks with EP 2, exported and reloaded by transformers with a lower loss.
+- `trainer eval` on 2 ranks with and without expert parallelism (EP 2) and on 4 (EP 2 x FSDP 2), one
+  step's gradients with EP 2, and 8 training steps on 2 ranks with EP 2 and the aux loss on, exported
+  and reloaded by transformers with a lower loss, and its step-4 checkpoint resumed without EP giving
+  the same losses.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.trainer.hf_fixtures import (
     make_model,
     reference_eval,
 )
+from tests.trainer.test_gpt_oss import assert_same_losses_resumed_without_expert_parallel
 from tests.trainer.test_hf_models import REL_TOL, SEQ_LEN, _eval_args, _json_line, _tensors, _train
 from trainer.config import load_config
 from trainer.errors import ConfigError
@@ -144,13 +147,15 @@ def test_lora_adapts_the_shared_expert_and_the_estimate_counts_it(qwen2_moe):
     assert extra == 64 * 2 * (4 * 48 + 2 + 64)
 
 
-@pytest.mark.parametrize("expert_parallel", [1, 2])
+@pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 1), (2, 2), (4, 2)])
 @pytest.mark.slow
-def test_eval_equals_transformers_on_two_ranks(qwen2_moe, docs, expert_parallel):
+def test_eval_equals_transformers_on_several_ranks(qwen2_moe, docs, nproc, expert_parallel):
+    """The routed experts split by EP (on 4 ranks also sharded by FSDP within each half), the shared
+    expert and its gate sharded by FSDP over every rank with the rest of the block."""
     path, texts = docs
     want_loss, want_tokens = reference_eval(qwen2_moe, texts, SEQ_LEN)
-    got = _json_line(torchrun(2, _eval_args(qwen2_moe, path, "--set",
-                                            f"parallel.expert_parallel={expert_parallel}")))
+    got = _json_line(torchrun(nproc, _eval_args(qwen2_moe, path, "--set",
+                                                f"parallel.expert_parallel={expert_parallel}")))
     assert got == {"loss": pytest.approx(want_loss, rel=REL_TOL), "tokens": want_tokens}
 
 
@@ -167,11 +172,19 @@ def test_one_step_gradients_equal_transformers_with_expert_parallelism(qwen2_moe
 
 
 @pytest.mark.slow
-def test_train_with_expert_parallelism_export_reload(qwen2_moe, docs, tmp_path):
+def test_train_with_expert_parallelism_export_reload_and_resume_without_it(qwen2_moe, docs, tmp_path):
     path, texts = docs
-    summary = _train(tmp_path, qwen2_moe, path, 2, "--set", "parallel.expert_parallel=2")
+    trained = tmp_path / "ep2"
+    trained.mkdir()
+    # The aux loss on: the resume below (test_gpt_oss.py's helper) trains with it too.
+    summary = _train(trained, qwen2_moe, path, 2, "--set", "model.router_aux_loss_coef=0.01", "--set",
+                     "parallel.expert_parallel=2", "--set", "checkpoint.interval=4")
     assert summary["final_loss"] < summary["first_loss"]
-    export = tmp_path / "export"
+    # The step-4 checkpoint resumed on the same 2 ranks without expert parallelism: the routed experts go
+    # from all of half the experts per rank to half of every expert, the shared expert stays sharded by
+    # FSDP, and steps 5-8 give the same losses.
+    assert_same_losses_resumed_without_expert_parallel(trained, qwen2_moe, path, tmp_path / "ep1")
+    export = trained / "export"
     original, exported = _tensors(qwen2_moe), _tensors(export)
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {
         k: (v.shape, v.dtype) for k, v in original.items()}
