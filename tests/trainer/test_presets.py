@@ -3,10 +3,12 @@ meta device: no memory) and the name on the tin."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from trainer.config import load_config
+from trainer.config import SHIPPED_CONFIG_DIR, load_config
 from trainer.model import build_model
 
 NOMINAL = {"gpt-1b": 1e9, "gpt-7b": 7e9, "gpt-20b": 20e9, "gpt-120b": 120e9}
@@ -73,6 +75,26 @@ def test_gpt_oss_preset_parameter_counts(name):
     assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params
     assert cfg.model.num_params == pytest.approx(total, rel=5e-4)
     assert cfg.model.active_params - cfg.model.embedding_params == pytest.approx(active, rel=5e-3)
+
+
+def test_qwen15_moe_preset_reads_its_config_json_and_counts_the_shared_expert():
+    cfg = load_config("qwen1.5-moe-a2.7b")
+    m = cfg.model
+    assert (m.family, m.n_layers, m.n_experts, m.n_active_experts) == ("qwen2_moe", 24, 60, 4)
+    assert (m.moe_ffn_dim, m.shared_expert_ffn_dim, m.moe_layers) == (1408, 5632, list(range(24)))
+    assert m.qkv_bias and not m.norm_topk_prob and m.sliding_window is None
+    model = build_model(m)
+    assert sum(p.numel() for p in model.parameters()) == m.num_params
+    # transformers' own model of the bundled config.json, on the meta device: as many parameters.
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    raw = json.loads((SHIPPED_CONFIG_DIR / "hf" / "qwen1.5-moe-a2.7b.json").read_text())
+    with torch.device("meta"):
+        theirs = Qwen2MoeForCausalLM(Qwen2MoeConfig(**raw))
+    assert sum(p.numel() for p in theirs.parameters()) == m.num_params
+    # The model card: 14.3B parameters in total, 2.7B activated (every token's shared expert included).
+    assert m.num_params == pytest.approx(14.3e9, rel=5e-3)
+    assert m.active_params == pytest.approx(2.7e9, rel=5e-3)
 
 
 def test_llama32_1b_ties_its_embeddings():
