@@ -4,7 +4,9 @@ mkfs.xfs, mount, findmnt and udevadm that keep each device's signatures, holders
 as the real tools would (mdadm checks only for ext2/3/4, md and partition-table signatures and goes on
 over XFS or LVM; mkfs.xfs without -f refuses any signature; a device in an array is busy). A blank
 instance store (the first boot after an EC2 stop/start) is built and mounted, a reboot only assembles
-and mounts, a device that carries data not ours is refused and left alone. Then the unit and settings
+and mounts, a device that carries data not ours is refused and left alone; an image's own instance-store
+volume (the DLAMI's /opt/dlami/nvme) is bound and opened, waited for at boot, and its absence fails in one
+line without touching the devices. Then the unit and settings
 the role renders, the role's glue (which plans lead to what), and the role's tasks in check mode on
 this machine with the same stand-ins. Shellcheck passes the program (a warning fails)."""
 
@@ -18,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ansible.template import trust_as_template
 
 from infra import catalog
 from tests.ansible.conftest import (
@@ -39,6 +40,7 @@ P4D_DEVICES = [f"/dev/nvme{n}n1" for n in range(1, 9)]
 HOST_NAME = "ip-10-42-1-10"
 MEMBER = f"TYPE=linux_raid_member\nLABEL={HOST_NAME}:fsdp-scratch\n"
 WRITES = ("mdadm", "mkfs.xfs", "mount")
+IMAGE_VOLUME = "/dev/mapper/vg.01-lv_ephemeral"  # what the Deep Learning AMI's dlami-nvme.service mounts
 
 
 def stand_ins(state: Path, sysfs: Path) -> dict[str, str]:
@@ -124,6 +126,12 @@ printf 'TYPE=xfs\\n%s\\n' "${{label:+LABEL=$label}}" > {state}/dev/${{dev##*/}}
         "mount": f"""{log}
 {signature}
 dev=${{@: -2:1}}; target=${{@: -1}}
+if [ "$1" = --bind ]; then
+    # a bind mount shows the source of the file system mounted at the directory bound
+    source=$(awk -v t="$dev" '$2 == t {{ s = $1 }} END {{ print s }}' {state}/mounts)
+    echo "${{source:-/dev/root}} $target" >> {state}/mounts
+    exit 0
+fi
 if ! sig "$dev" | grep -q '^TYPE=xfs$'; then
     echo "mount: $target: wrong fs type, bad option, bad superblock on $dev." >&2; exit 32
 fi
@@ -139,7 +147,11 @@ if [ "$1" = --json ]; then
     exit 0
 fi
 target=${{@: -1}}
-awk -v t="$target" '$2 == t {{ print $1; found = 1; exit }} END {{ exit !found }}' {state}/mounts
+# every file system mounted there, the topmost last (--first-only: the first)
+first=no
+if [[ " $* " == *" --first-only "* ]]; then first=yes; fi
+awk -v t="$target" -v first=$first '$2 == t {{ print $1; found = 1; if (first == "yes") exit }}
+    END {{ exit !found }}' {state}/mounts
 """,
         "udevadm": log,
     }
@@ -150,12 +162,16 @@ class InstanceStore:
     and the settings the role gives it. run() runs the program and returns (exit status, stdout, the
     calls that write: mdadm, mkfs.xfs and mount)."""
 
-    def __init__(self, tmp_path: Path, instance_type: str = "p4d.24xlarge", **settings: str):
+    def __init__(self, tmp_path: Path, instance_type: str = "p4d.24xlarge",
+                 extra_stand_ins: dict[str, str] | None = None, **settings: str):
         self.sysfs = sysfs_tree(tmp_path / "shape", instance_type)
         self.state = tmp_path / "state"
         (self.state / "dev").mkdir(parents=True)
         self.mount_point = tmp_path / "scratch"
-        self.env = stand_in_commands(tmp_path, **stand_ins(self.state, self.sysfs))
+        # where an image would mount the instance store itself (as the role sets it: the DLAMI's path,
+        # which a plain image never mounts)
+        self.image_mount = tmp_path / "opt/dlami/nvme"
+        self.env = stand_in_commands(tmp_path, **stand_ins(self.state, self.sysfs), **(extra_stand_ins or {}))
         devices = len(detect_hardware(self.sysfs)["nvme_instance_store"])  # as the role renders it
         self.settings = {
             "FSDP_SCRATCH_MOUNT": str(self.mount_point),
@@ -163,8 +179,17 @@ class InstanceStore:
             "FSDP_SCRATCH_NAME": "fsdp-scratch",
             "FSDP_SCRATCH_DEVICES": str(devices),
             "FSDP_SCRATCH_SYSFS_ROOT": str(self.sysfs),
+            "FSDP_SCRATCH_IMAGE_MOUNT": str(self.image_mount),
+            "FSDP_SCRATCH_IMAGE_WAIT_S": "0",
             **settings,
         }
+
+    def image_mounts_its_volume(self) -> None:
+        """The image's boot service mounted its volume (the DLAMI: LVM over the devices, ext4, mode 0755
+        until its script opens it)."""
+        self.image_mount.mkdir(parents=True, exist_ok=True)
+        with (self.state / "mounts").open("a") as mounts:
+            mounts.write(f"{IMAGE_VOLUME} {self.image_mount}\n")
 
     def sign(self, device: str, signature: str) -> None:
         (self.state / "dev" / Path(device).name).write_text(signature)
@@ -193,8 +218,12 @@ class InstanceStore:
         calls.unlink(missing_ok=True)
         proc = subprocess.run(["bash", str(PROGRAM), mode], capture_output=True, text=True, timeout=60,
                               env={**self.env, **self.settings})
-        made = calls.read_text().splitlines() if calls.exists() else []
-        return proc.returncode, proc.stdout + proc.stderr, [c for c in made if c.startswith(WRITES)]
+        return proc.returncode, proc.stdout + proc.stderr, [c for c in self.calls() if c.startswith(WRITES)]
+
+    def calls(self) -> list[str]:
+        """The stand-in tools the last run called, with their arguments."""
+        calls = self.state / "calls"
+        return calls.read_text().splitlines() if calls.exists() else []
 
 
 def test_the_program_passes_shellcheck():
@@ -360,6 +389,88 @@ def test_a_single_device_is_formatted_directly_and_known_by_its_label(tmp_path):
     assert out.startswith("refuse: the instance-store device(s) /dev/nvme1n1 (xfs) already carry data"), out
 
 
+# ------------------------------------------------------------------- the image's instance-store volume
+def test_the_images_volume_is_bound_at_the_scratch_mount_point_and_opened(tmp_path):
+    store = InstanceStore(tmp_path)
+    store.image_mounts_its_volume()
+    image = f"the image's instance-store volume at {store.image_mount} ({IMAGE_VOLUME})"
+    assert store.run("plan") == (0, f"adopt: bind {image} at {store.mount_point}, mode 1777\n", [])
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (0, [f"mount --bind {store.image_mount} {store.mount_point}"]), out
+    assert out.endswith(f"\nbound {store.image_mount} at {store.mount_point}, mode 1777\n")
+    assert stat.S_IMODE(store.mount_point.stat().st_mode) == 0o1777  # open to every user, sticky
+    assert store.mounted()[-1] == f"{IMAGE_VOLUME} {store.mount_point}"
+    # the devices are the image's: never looked at, let alone written
+    assert not any(c.startswith(("blkid", "mdadm", "mkfs.xfs", "udevadm")) for c in store.calls())
+    # the next configure, and a reboot before which nothing changed: nothing to do
+    adopted = f"adopted: {store.mount_point} is a bind mount of {image}, mode 1777\n"
+    assert store.run("apply") == (0, adopted, [])
+
+
+def test_after_a_stop_start_the_boot_unit_waits_for_the_images_volume_then_binds_and_opens_it(tmp_path):
+    # the image's service (the DLAMI's dlami-nvme.service, after network-online.target) mounts its new
+    # file system, mode 0755, while the unit waits: the stand-in sleep is that service finishing
+    store = InstanceStore(tmp_path, extra_stand_ins={"sleep": f"""echo "sleep $*" >> {tmp_path}/state/calls
+if ! grep -q " {tmp_path}/opt/dlami/nvme$" {tmp_path}/state/mounts 2>/dev/null; then
+    echo "{IMAGE_VOLUME} {tmp_path}/opt/dlami/nvme" >> {tmp_path}/state/mounts
+fi"""}, FSDP_SCRATCH_IMAGE_WAIT_S="300")
+    store.image_mount.mkdir(parents=True)
+    store.mount_point.mkdir(mode=0o755)
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (0, [f"mount --bind {store.image_mount} {store.mount_point}"]), out
+    assert "sleep 1" in store.calls()
+    assert out.startswith(f"adopt: bind the image's instance-store volume at {store.image_mount} "), out
+    assert stat.S_IMODE(store.mount_point.stat().st_mode) == 0o1777
+
+
+def test_a_bound_mount_point_whose_mode_the_new_file_system_lost_is_opened_again(tmp_path):
+    store = InstanceStore(tmp_path)
+    store.image_mounts_its_volume()
+    assert store.run("apply")[0] == 0
+    store.mount_point.chmod(0o755)  # the image made a new file system: its root is root's 0755
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (0, []), out  # bound already: only the mode
+    assert out.startswith("adopt: ") and stat.S_IMODE(store.mount_point.stat().st_mode) == 0o1777
+
+
+def test_an_images_volume_that_never_comes_fails_the_unit_in_one_line_and_builds_nothing(tmp_path):
+    # at boot on a node that adopted it: never build our own over the image's devices
+    store = InstanceStore(tmp_path, extra_stand_ins={"sleep": f'echo "sleep $*" >> {tmp_path}/state/calls'},
+                          FSDP_SCRATCH_IMAGE_WAIT_S="3")
+    status, out, writes = store.run("apply")
+    assert (status, writes) == (1, []), out
+    assert out == (
+        f"refuse: {store.image_mount} (the image's instance-store volume, bound at {store.mount_point}) "
+        "is not mounted after 3 s: the image's boot service did not mount it (Deep Learning AMI: systemctl "
+        "status dlami-nvme). Mount it there and run systemctl restart fsdp-scratch, or replace the instance "
+        "(fsdpctl replace)\n")
+    assert store.calls().count("sleep 1") == 3
+    assert not any(c.startswith(("blkid", "mdadm", "mkfs.xfs", "udevadm")) for c in store.calls())
+
+
+def test_without_the_images_volume_at_configure_time_the_node_builds_its_own(tmp_path):
+    # plain Ubuntu: nothing at the DLAMI's path, no wait (the role's setting before the node adopted it)
+    store = InstanceStore(tmp_path)
+    assert store.run("plan")[1].startswith("create: RAID0 array fsdp-scratch over /dev/nvme1n1 ")
+    # adoption switched off: the image's volume is left alone, and its devices (held by its LVM) refused
+    store = InstanceStore(tmp_path / "off", FSDP_SCRATCH_IMAGE_MOUNT="")
+    store.image_mounts_its_volume()
+    store.sign("/dev/nvme1n1", "TYPE=LVM2_member\n")
+    store.hold("/dev/nvme1n1", "dm-0")
+    status, out, _ = store.run("plan")
+    assert status == 1, out
+    assert out.startswith("refuse: the instance-store device(s) /dev/nvme1n1 (held by dm-0)"), out
+
+
+def test_a_scratch_mount_point_mounted_from_elsewhere_is_kept_beside_the_images_volume(tmp_path):
+    store = InstanceStore(tmp_path)
+    store.image_mounts_its_volume()
+    (store.state / "mounts").open("a").write(f"/dev/nvme0n1p2 {store.mount_point}\n")
+    kept = (f"other: {store.mount_point} is mounted from /dev/nvme0n1p2, not from the image's instance-store "
+            f"volume at {store.image_mount} ({IMAGE_VOLUME}); kept as it is\n")
+    assert store.run("apply") == (0, kept, [])
+
+
 # ------------------------------------------------------------------------------ what the role renders
 @pytest.mark.parametrize("instance_type", ["p4d.24xlarge", "p5.48xlarge"])
 def test_the_unit_runs_the_program_with_the_settings_the_role_runs_it_with(gpu_node, instance_type):
@@ -375,6 +486,8 @@ def test_the_unit_runs_the_program_with_the_settings_the_role_runs_it_with(gpu_n
         "FSDP_SCRATCH_NAME": "fsdp-scratch",
         "FSDP_SCRATCH_DEVICES": str(devices),
         "FSDP_SCRATCH_SYSFS_ROOT": "/",
+        "FSDP_SCRATCH_IMAGE_MOUNT": "/opt/dlami/nvme",
+        "FSDP_SCRATCH_IMAGE_WAIT_S": "0",  # no plan yet: nothing adopted, nothing to wait for
     }
     # the tasks' environment is the same dictionary
     assert render("{{ storage_scratch_settings }}", variables) == settings
@@ -390,6 +503,29 @@ def test_the_unit_runs_the_program_with_the_settings_the_role_runs_it_with(gpu_n
         assert line in unit
     assert render("{{ storage_scratch_env_file }} {{ storage_scratch_unit }}", variables) == (
         "/etc/fsdp-cluster/scratch.env fsdp-scratch.service")
+
+
+@pytest.mark.parametrize(
+    ("plan", "wait"),
+    [
+        (f"adopt: bind the image's instance-store volume at /opt/dlami/nvme ({IMAGE_VOLUME})", "300"),
+        ("adopted: /scratch is a bind mount of the image's instance-store volume at /opt/dlami/nvme", "300"),
+        ("create: RAID0 array fsdp-scratch over /dev/nvme1n1, XFS, at /scratch", "0"),
+        ("ready: /scratch is mounted from /dev/md127", "0"),
+    ],
+)
+def test_a_node_that_adopted_the_images_volume_waits_for_it_at_boot(gpu_node, plan, wait):
+    variables = {**gpu_node("p4d.24xlarge"),
+                 "storage_scratch_plan": {"rc": 0, "stdout": plan + "\n", "stderr": ""}}
+    env_file = render_template("storage", "scratch.env.j2", variables)
+    assert f"FSDP_SCRATCH_IMAGE_WAIT_S={wait}" in env_file.splitlines()
+    unit = render_template("storage", "fsdp-scratch.service.j2", variables).splitlines()
+    assert "TimeoutStartSec=600" in unit  # room for the wait
+    longer = {**variables, "storage_image_mount_wait_s": 900}
+    assert "TimeoutStartSec=960" in render_template("storage", "fsdp-scratch.service.j2", longer).splitlines()
+    # adoption switched off: no image path, so the program never adopts
+    off = render_template("storage", "scratch.env.j2", {**variables, "storage_adopt_image_mount": False})
+    assert "FSDP_SCRATCH_IMAGE_MOUNT=''" in off.splitlines()
 
 
 def test_a_mount_point_with_a_space_is_quoted_for_systemd(gpu_node):
@@ -428,15 +564,16 @@ def _scratch_block() -> dict:
         ("mount: RAID0 array fsdp-scratch over /dev/nvme1n1 (/dev/md127) at /scratch", True, True),
         ("ready: /scratch is mounted from /dev/md127", True, False),
         ("other: /scratch is mounted from /dev/nvme0n1p2, not from the instance store's", False, False),
+        # the image's volume: bound by the unit at every boot too, and now where it is not yet
+        ("adopt: bind the image's instance-store volume at /opt/dlami/nvme (/dev/md0)", True, True),
+        ("adopted: /scratch is a bind mount of the image's instance-store volume", True, False),
     ],
 )
-def test_the_role_keeps_its_own_scratch_at_boot_and_runs_what_is_needed(gpu_node, plan, installed, applied):
+def test_the_role_keeps_its_scratch_at_boot_and_runs_what_is_needed(gpu_node, plan, installed, applied):
     block = _scratch_block()
     variables = {
         **gpu_node("p4d.24xlarge"),
-        "storage_scratch_action": "own",
         "storage_scratch_plan": {"rc": 0, "stdout": plan + "\n", "stderr": ""},
-        **{name: trust_as_template(value) for name, value in block["vars"].items()},
     }
     assert render("{{ " + block["when"] + " }}", variables) is installed
     apply = next(t for t in block["block"] if t["name"] == "Build or mount the scratch file system")

@@ -179,7 +179,11 @@ def test_first_run_goes_through_every_hardware_role(first_run):
             ("nccl", "Check all_reduce_perf finds NCCL and Open MPI at run time"): {"ok"},
             ("gpudirect", "Check the module is loaded"): {"ok"},
             ("gpudirect", "Check libfabric offers GPU memory on every EFA device"): {"ok"},
-            ("storage", "Mount the image's instance-store volume at the scratch mount point"): {"changed"},
+            # the image's instance-store volume is adopted: bound now by the scratch program, and at every
+            # boot by its unit
+            ("storage", "Ask the scratch program what it would do"): {"ok"},
+            ("storage", "Build or mount the scratch file system"): {"changed"},
+            ("storage", "Enable the scratch unit at boot"): {"changed"},
             # what the DLAMI brings at or above the pins is adopted, never reinstalled or downgraded
             ("nvidia", "Install the driver packages of the branch"): {"skipped"},
             ("nvidia", "Install Fabric Manager at the driver's version"): {"skipped"},
@@ -187,9 +191,6 @@ def test_first_run_goes_through_every_hardware_role(first_run):
             ("cuda", "Install CUDA toolkit 12.9.1"): {"skipped"},  # the image's runfile toolkit
             ("cuda", "Build the GDRCopy Debian packages"): {"skipped"},
             ("efa", "Run the EFA installer"): {"skipped"},
-            # the image's instance-store mount is adopted: the scratch program is neither asked nor run
-            ("storage", "Ask the scratch program what it would do"): {"skipped"},
-            ("storage", "Build or mount the scratch file system"): {"skipped"},
         }
         for (role, task), statuses in ran.items():
             assert found.get((host, role, task)) == statuses, (
@@ -232,6 +233,29 @@ def test_the_nodes_keep_the_images_newer_software_and_find_the_plugin(cluster, f
         assert lines[6] == "1" and lines[7] == 'NCCL_NET_PLUGIN="ofi"'
         assert lines[8].split()[-1] == "/scratch", r.stdout  # a bind mount of the DLAMI's volume
         assert lines[9:11] == ["efa_nv_peermem", "gdrdrv"], r.stdout
+
+
+def test_the_boot_unit_binds_the_images_volume_again_after_a_stop_start(cluster, second_run):
+    # a stop/start: nothing mounted, then the DLAMI's dlami-nvme.service mounts a new file system (mode
+    # 0755) while the unit, started as at boot, waits for it; the node ends as it was
+    _, state = cluster
+    waiting = "[ $(systemctl show -P ActiveState fsdp-scratch) = activating ]"
+    script = (
+        "systemctl is-enabled fsdp-scratch; "
+        "grep -x FSDP_SCRATCH_IMAGE_WAIT_S=300 /etc/fsdp-cluster/scratch.env; "
+        f"umount /scratch && umount {dlami.DLAMI_MOUNT} && systemctl start --no-block fsdp-scratch && "
+        f"mount -t tmpfs -o size=64m,mode=0755 dlami-nvme {dlami.DLAMI_MOUNT} && "
+        f"timeout 120 sh -c 'while {waiting}; do sleep 1; done'; "
+        "systemctl is-active fsdp-scratch; findmnt -n -o SOURCE /scratch | tail -1; stat -c %a /scratch"
+    )
+    for rank, r in remote.run_all(state, script, timeout=180, check=False).items():
+        assert r.stdout.splitlines() == [
+            "enabled",
+            "FSDP_SCRATCH_IMAGE_WAIT_S=300",
+            "active",
+            "dlami-nvme",  # a bind mount of the image's volume
+            "1777",
+        ], (NODES[rank], r.stdout, r.stderr)
 
 
 def test_persistence_mode_is_on_by_the_daemons_own_flag(cluster, first_run):
