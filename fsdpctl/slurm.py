@@ -18,9 +18,11 @@ watcher's `scancel --batch --signal=USR1`) and forwards it to the job's step wit
 (it is started with SIGUSR1 ignored) and the trainer workers write a checkpoint and exit 0; the job
 is then requeued and resumes (`--resume auto`) wherever Slurm places it. `scancel` (and
 `fsdpctl cancel`) sends SIGTERM to every process of the job, which the trainer handles the same way;
-the job is not requeued. A training step that fails (a worker crashed, a node lost) ends the batch
-script with REQUEUE_EXIT, which slurm.conf's RequeueExit turns into a requeue, up to MAX_REQUEUES
-failed steps (the job directory's `failures` file; checkpoint requeues and lost nodes do not count).
+the job is not requeued. A training step that fails (a worker crashed, or the job watcher ended a
+step that stopped making progress) is retried at once in the same allocation when every node passes
+its health check, and otherwise ends the batch script with REQUEUE_EXIT, which slurm.conf's
+RequeueExit turns into a requeue on other nodes; up to MAX_REQUEUES failed steps in all (the job
+directory's `failures` file; checkpoint requeues and lost nodes do not count).
 """
 
 from __future__ import annotations
@@ -47,13 +49,16 @@ from infra.spec import ClusterSpec
 REQUEUE_EXIT = 75
 """The batch script's exit status for "requeue me"; the slurm role's `slurm_requeue_exit` (RequeueExit)."""
 MAX_REQUEUES = 3
-"""Requeues after failed training steps before a job is left failed."""
+"""Failed training steps retried (in the allocation or by a requeue) before a job is left failed."""
 SIGNAL_LEAD_S = 120
 """Seconds before a job's time limit at which its batch script gets SIGUSR1 (checkpoint and requeue)."""
 JOBS_DIR = "fsdp-cluster/jobs"
 """Under the cluster's shared directory."""
 NCCL_ENV_FILE = "/etc/fsdp-cluster/nccl.env"
 """The nccl role's environment file (absent where the role skipped, e.g. local nodes)."""
+NODE_HEALTH_SCRIPT = "/usr/local/libexec/fsdp-cluster/node-health"
+"""The slurm role's node health check (`slurm_health_script`), which the batch script runs on its nodes
+after a failed step to choose between a retry in the allocation and a requeue."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=.*$")
 
@@ -110,7 +115,8 @@ class TrainJob:
 def render_batch_script(job: TrainJob) -> str:
     """The sbatch script of a job: the batch part, and (with --node) the step each node runs."""
     return render_script("templates/slurm_job.sbatch.j2", job=job, trainer_args=job.trainer_args(),
-                         requeue_exit=REQUEUE_EXIT, signal_lead_s=SIGNAL_LEAD_S, nccl_env_file=NCCL_ENV_FILE)
+                         requeue_exit=REQUEUE_EXIT, signal_lead_s=SIGNAL_LEAD_S, nccl_env_file=NCCL_ENV_FILE,
+                         node_health_script=NODE_HEALTH_SCRIPT)
 
 
 @dataclass(frozen=True)

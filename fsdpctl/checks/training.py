@@ -339,8 +339,9 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
     Lines the old workers were still writing when the kill landed must not count: torchrun starts
     new workers only after a new rendezvous round, which every agent joins only after stopping its
     old workers; so once the victim has new worker pids, every later metrics line is the new
-    workers'. Under Slurm the kill fails the job's step, the batch script asks for a requeue, and the
-    requeued job's new workers resume from the checkpoint in the same way."""
+    workers'. Under Slurm the kill fails the job's step, the batch script starts it again in its
+    allocation (every node passing its health check), and the new workers resume from the checkpoint
+    in the same way."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while True:
         lines = read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps

@@ -359,6 +359,21 @@ class Scaling(_Model):
         return v
 
 
+class Recovery(_Model):
+    """How a Slurm job of `fsdpctl train` recovers from a rank that stopped making progress (docs/slurm.md,
+    "Recovery"). The job watcher on the controller ends a training step whose metrics file has not
+    grown for `stall_factor` times its usual interval between writes, and at least `stall_min_s`; the
+    job then starts again from its last checkpoint."""
+
+    stall_factor: float = Field(default=10, ge=2, le=1000)
+    """How many usual intervals between two metrics writes (metrics.log_interval steps) of silence
+    make a step stalled. 2 to 1000."""
+    stall_min_s: int = Field(default=300, ge=10, le=86400)
+    """The shortest silence that counts as a stall, in seconds: above the longest pause a healthy
+    run makes between two writes (a checkpoint save, an evaluation). 10 to 86400. NCCL's own
+    timeout (10 minutes) ends a hung collective later, if at all."""
+
+
 class ClusterSpec(_Model):
     name: str
     """Cluster name. It becomes part of host names (`<name>-node<rank>`), the bucket name, the
@@ -401,6 +416,7 @@ class ClusterSpec(_Model):
     `fsdp-cluster:expires-at`. At most 40; keys starting with `aws:` or `fsdp-cluster:` are
     reserved."""
     scaling: Scaling = Scaling()
+    recovery: Recovery = Recovery()
     software: Software = Software()
     trainer: Trainer = Trainer()
     local: LocalTarget = LocalTarget()

@@ -18,15 +18,15 @@ WAIT_TIMEOUT_S = 400
 """How long a node test waits for a job or a node by default."""
 
 
-def wait_for(predicate, what: str, timeout: float = WAIT_TIMEOUT_S):
-    """predicate()'s first true value, asked every second; an AssertionError naming `what` after
-    `timeout` seconds."""
+def wait_for(predicate, what: str, timeout: float = WAIT_TIMEOUT_S, interval: float = 1):
+    """predicate()'s first true value, asked every `interval` seconds; an AssertionError naming
+    `what` after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(1)
+        time.sleep(interval)
     raise AssertionError(f"{what} did not happen within {timeout} s")
 
 

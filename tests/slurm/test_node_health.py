@@ -118,6 +118,20 @@ def test_a_gpu_that_fell_off_the_bus_drains_the_node_and_fails_the_prolog(tmp_pa
     assert "prolog on rt-node1: FAILED in " in stderr and stderr.rstrip().endswith("drained")
 
 
+def test_the_step_hook_of_a_jobs_retry_reports_a_fault_but_leaves_the_draining_to_the_epilog(tmp_path):
+    """Run by the batch script (srun, as the job's user) after a failed step: exit 1 makes the job
+    requeue instead of retrying in its allocation; the epilog, as root, drains the node after it."""
+    node = Node(tmp_path)
+    assert node.run("step") == (0, None, "")
+    node.nvidia_smi(gpu_rows(**{"3": "3, 00000000:13:1C.0, 2, No, No"}))
+    status, reason, stderr = node.run("step")
+    assert (status, reason) == (1, None)
+    assert stderr.rstrip().endswith("GPU 3 (00000000:13:1C.0) has 2 uncorrected ECC errors; not drained "
+                                    "(the epilog drains it)")
+    drained = node.run("epilog")[:2]
+    assert drained == (1, "health (epilog): GPU 3 (00000000:13:1C.0) has 2 uncorrected ECC errors")
+
+
 @pytest.mark.parametrize(("row", "problem"), [
     ("3, 00000000:13:1C.0, 2, No, No", "GPU 3 (00000000:13:1C.0) has 2 uncorrected ECC errors"),
     ("3, 00000000:13:1C.0, 0, Yes, No", "GPU 3 (00000000:13:1C.0) has a row remap pending (reset the GPU)"),
@@ -257,8 +271,9 @@ def test_slurm_conf_runs_the_check_as_prolog_epilog_and_health_check(tmp_path):
     script = "/usr/local/libexec/fsdp-cluster/node-health"
     expected = {"Prolog": script, "Epilog": script, "HealthCheckProgram": script,
                 "PrologFlags": "Alloc,DeferBatch", "HealthCheckInterval": "300",
-                "HealthCheckNodeState": "ANY", "SchedulerParameters": "nohold_on_prolog_fail"}
+                "HealthCheckNodeState": "ANY",
+                "SchedulerParameters": "nohold_on_prolog_fail,sched_interval=10"}
     assert {key: settings[key] for key in expected} == expected
     off = _conf(render_template("slurm", "slurm.conf.j2", {**variables, "slurm_health_enabled": False}))
     assert "Prolog" not in off and "HealthCheckProgram" not in off
-    assert off["SchedulerParameters"] == "nohold_on_prolog_fail"
+    assert off["SchedulerParameters"] == "nohold_on_prolog_fail,sched_interval=10"

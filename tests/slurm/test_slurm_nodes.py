@@ -6,9 +6,11 @@ node whose health check fails (a stand-in nvidia-smi reporting ECC errors) is dr
 by the prolog, the job waits for healthy nodes instead of running there, `fsdpctl status` shows the
 reason, and the periodic check drains the same way; a 2-node fine-tuning job
 loads a Hugging Face model from the shared file system and exports one transformers loads; a node's
-workers killed mid-job make the job requeue and finish from its checkpoint, repeating the lost steps
-with the same losses; the spot watcher drains its node on a rebalance recommendation and on an interruption
-notice from an IMDS stand-in on the node's loopback, and the job running there checkpoints at once;
+workers killed mid-job make the batch script retry the step at once in its allocation, which finishes
+from its checkpoint, repeating the lost steps with the same losses; a frozen worker (SIGSTOP) is found
+by the job watcher, which ends the step, and the job resumes the same way; the spot watcher drains
+its node on a rebalance recommendation and on an interruption notice from an IMDS stand-in on the
+node's loopback, and the job running there checkpoints at once;
 `fsdpctl exclude` drains the node.
 
 The tests run in file order (the last ones drain nodes)."""
@@ -42,8 +44,9 @@ FAULTY_NVIDIA_SMI = "#!/bin/sh\necho '0, 00000000:10:1C.0, 2, No, No'\n"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Up, `configure --tags slurm`, deploy; torn down after the module whatever happens."""
-    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec={"trainer": {"config": "tiny"}},
-                       deploy=True) as home_and_env:
+    # A short stall limit for the frozen-rank test (the default, 300 s, would keep it waiting).
+    spec = {"trainer": {"config": "tiny"}, "recovery": {"stall_min_s": 15}}
+    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec=spec, deploy=True) as home_and_env:
         yield home_and_env
 
 
@@ -221,7 +224,37 @@ def test_cancelled_job_ends_without_a_requeue(cluster):
     assert "requeued" not in (job_dir / f"slurm-{job_id}.out").read_text()
 
 
-def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(cluster):
+def _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir: Path, log: str) -> int:
+    """The job resumed from a committed checkpoint of before the fault, redid the steps after it, and
+    every step has the loss of the uninterrupted run of the same job (the first training test's): the
+    resumed run is that run (data order, optimizer state, learning rate). Returns the resumed step."""
+    assert "checkpoint: resumed from" in log
+    resumed = int(re.search(r"checkpoint: resumed from \S+ \(step (\d+)\)", log).group(1))
+    assert resumed % 5 == 0 and resumed >= 5  # a committed checkpoint from before the fault
+    records = steps(job_dir / "metrics.jsonl")
+    again = records[len(records) - (60 - resumed):]
+    assert [r["step"] for r in again] == list(range(resumed + 1, 61))
+    uninterrupted = steps(shared(cluster) / "fsdp-cluster/jobs/tiny-2n/metrics.jsonl")
+    reference = {r["step"]: r["loss"] for r in uninterrupted}
+    assert len(reference) == 60
+    differing = {r["step"]: (r["loss"], reference[r["step"]]) for r in records
+                 if r["loss"] != pytest.approx(reference[r["step"]], rel=1e-5)}
+    assert differing == {}
+    return resumed
+
+
+def _seconds_to_the_first_step_again(job_dir: Path, faulted_at: float, last_step: int) -> float:
+    """From the fault to the first record of a step the job had done already (the resumed run's)."""
+    metrics = job_dir / "metrics.jsonl"
+    wait_for(lambda: any(r["step"] <= last_step for r in steps(metrics)[last_step:]), "a resumed step",
+             timeout=300, interval=0.2)
+    return time.monotonic() - faulted_at
+
+
+def test_killed_workers_are_retried_in_the_allocation_and_finish_from_the_checkpoint(cluster):
+    """Node 1's workers killed: the step fails, both nodes pass their health check, and the batch
+    script starts the step again at once in the same allocation (no requeue, so no wait of Slurm's
+    requeue delay); it resumes from the last checkpoint with the uninterrupted run's losses."""
     # a record per step (the default log interval of 10 would leave the steps after the last flush
     # unlogged when the workers are killed)
     job_id = train(cluster, *KILL_RUN, "--name", "tiny-kill")
@@ -229,25 +262,46 @@ def test_killed_workers_requeue_the_job_which_finishes_from_its_checkpoint(clust
     wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
     killed = ssh(cluster, 1, f"pids=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent)) && kill -KILL $pids && "
                  "echo $pids").stdout.split()
+    killed_at = time.monotonic()
     assert killed
-    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the requeued job")
+    last_step = len(steps(job_dir / "metrics.jsonl"))
+    recovery_s = _seconds_to_the_first_step_again(job_dir, killed_at, last_step)
+    print(f"recovery in the allocation: {recovery_s:.1f} s from the kill to a resumed step")
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the retried job")
     assert row["last_step"] == 60 and row["status"] == "completed 0"
     log = (job_dir / f"slurm-{job_id}.out").read_text()
-    assert "requeued (run 0" in log and f"job {job_id} run 1 on" in log
-    assert "checkpoint: resumed from" in log
-    resumed = int(re.search(r"checkpoint: resumed from \S+ \(step (\d+)\)", log).group(1))
-    assert resumed % 5 == 0 and resumed >= 5  # a committed checkpoint from before the kill
-    records = steps(job_dir / "metrics.jsonl")
-    requeued = records[len(records) - (60 - resumed):]
-    assert [r["step"] for r in requeued] == list(range(resumed + 1, 61))
-    # Every step, before and after the requeue, has the loss of the uninterrupted run of the same job
-    # (the previous test's): the resumed run is that run (data order, optimizer state, learning rate).
-    uninterrupted = steps(shared(cluster) / "fsdp-cluster/jobs/tiny-2n/metrics.jsonl")
-    reference = {r["step"]: r["loss"] for r in uninterrupted}
-    assert len(reference) == 60
-    differing = {r["step"]: (r["loss"], reference[r["step"]]) for r in records
-                 if r["loss"] != pytest.approx(reference[r["step"]], rel=1e-5)}
-    assert differing == {}
+    retried = "retried in this allocation (run 0 attempt 1, failed step 1 of at most 3 retried)"
+    assert retried in log, log[-3000:]
+    assert "requeued" not in log and f"job {job_id} run 1 on" not in log
+    assert (job_dir / "failures").read_text() == "1\n"
+    _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir, log)
+
+
+def test_a_frozen_rank_is_ended_by_the_job_watcher_and_the_job_resumes_with_the_same_losses(cluster):
+    """A worker on node 1 stopped (SIGSTOP): every rank waits for it and no metrics come. The job
+    watcher on the controller (recovery.stall_min_s 15 in this module's spec) ends the step with the
+    reason, and the job resumes from its last checkpoint with the uninterrupted run's losses."""
+    job_id = train(cluster, *KILL_RUN, "--name", "tiny-frozen")
+    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-frozen"
+    wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
+    frozen = ssh(cluster, 1, f"pid=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent) | head -n 1) && "
+                 "kill -STOP $pid && echo $pid").stdout.strip()
+    frozen_at = time.monotonic()
+    assert frozen
+    last_step = len(steps(job_dir / "metrics.jsonl"))
+    recovery_s = _seconds_to_the_first_step_again(job_dir, frozen_at, last_step)
+    print(f"frozen rank: {recovery_s:.1f} s from the SIGSTOP to a resumed step (stall limit 15 s)")
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the resumed job")
+    assert row["last_step"] == 60 and row["status"] == "completed 0"
+    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    ended = re.search(r"step ended by the job watcher: no metrics for (\d+) s \(limit (\d+) s: 10 x the "
+                      r"usual [\d.]+ s between writes, at least 15 s\): a rank stopped making progress", log)
+    assert ended, log[-3000:]
+    assert int(ended.group(1)) >= int(ended.group(2)) >= 15
+    assert "retried in this allocation (run 0 attempt 1" in log
+    watcher_log = ssh(cluster, 0, "journalctl --no-pager -o cat -u fsdp-job-watcher").stdout
+    assert re.search(rf"step {job_id}\.\d+: no metrics for \d+ s .*: ending it", watcher_log), watcher_log
+    _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir, log)
 
 
 def test_sigusr1_checkpoints_at_the_next_step_and_the_requeued_job_goes_on_from_there(cluster):

@@ -263,3 +263,73 @@ def test_status_says_when_it_could_not_ask_slurm_and_is_silent_without_it(status
     assert status["node_list"][1]["slurm_state"] is None
     text, status = status_of(127, "", "bash: sinfo: command not found")  # a cluster without the slurm role
     assert "slurm:" not in text and status["slurm_not_asked"] is None
+
+
+# The batch part against stand-in Slurm commands: srun's training step exits with the next status of
+# $JOB_DIR/step-exits (one per attempt), its health step with $HEALTH_EXIT; every srun call is logged.
+BATCH_STAND_INS = {
+    "srun": ('echo "$*" >> "$JOB_DIR/srun.log"\n'
+             'case "$*" in\n'
+             '  *--node*) code=$(head -n 1 "$JOB_DIR/step-exits"); sed -i 1d "$JOB_DIR/step-exits"\n'
+             '            exit "$code" ;;\n'
+             '  *node-health*) exit "${HEALTH_EXIT:-0}" ;;\n'
+             'esac'),
+    "sinfo": "true",
+    "scontrol": ('case "$2" in hostnames) echo node0; echo node1 ;; '
+                 '*) echo "NodeName=$3 NodeAddr=10.0.0.11" ;; esac'),
+    "scancel": "true",
+}
+
+
+def _run_batch(tmp_path, step_exits: list[int], *, health_exit: int = 0, failures: int = 0,
+               stalled: str | None = None) -> tuple[int, str, Path]:
+    job = _job(job_dir=str(tmp_path / "job"))
+    job_dir = Path(job.job_dir)
+    job_dir.mkdir()
+    (job_dir / "job.sbatch").write_text(slurm.render_batch_script(job))
+    (job_dir / "step-exits").write_text("".join(f"{code}\n" for code in step_exits))
+    if failures:
+        (job_dir / "failures").write_text(f"{failures}\n")
+    if stalled:
+        (job_dir / "stalled").write_text(stalled)
+    env = {**stand_in_commands(tmp_path, **BATCH_STAND_INS), "JOB_DIR": job.job_dir,
+           "HEALTH_EXIT": str(health_exit), "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[0-1]"}
+    proc = subprocess.run(["bash", str(job_dir / "job.sbatch")], capture_output=True, text=True, timeout=30,
+                          cwd=job_dir, env=env)
+    return proc.returncode, proc.stdout + proc.stderr, job_dir
+
+
+def test_a_failed_step_on_healthy_nodes_is_retried_at_once_in_the_allocation(tmp_path):
+    rc, log, job_dir = _run_batch(tmp_path, [1, 0])
+    assert rc == 0 and (job_dir / "status").read_text() == "completed 0\n", log
+    assert "step exit 1: retried in this allocation (run 0 attempt 1, failed step 1 of at most 3 retried)" \
+        in log
+    assert (job_dir / "failures").read_text() == "1\n"
+    calls = (job_dir / "srun.log").read_text().splitlines()
+    # the step, the health check on every node (as a step: it drains nothing), the step again
+    kinds = [("training" if "--node" in c else "health" if "node-health" in c else c) for c in calls]
+    assert kinds == ["training", "health", "training"]
+    assert calls[1].endswith(f"node-health {slurm.NODE_HEALTH_SCRIPT}")
+
+
+def test_a_failed_step_with_a_node_failing_its_health_check_is_requeued(tmp_path):
+    rc, log, job_dir = _run_batch(tmp_path, [1], health_exit=1)
+    assert rc == slurm.REQUEUE_EXIT and (job_dir / "status").read_text() == "requeued 1\n", log
+    assert "step exit 1: a node failed its health check: requeued (run 0, failed step 1 of at most 3" in log
+    assert (job_dir / "failures").read_text() == "1\n"
+
+
+def test_failed_steps_beyond_max_requeues_fail_the_job_counting_earlier_runs(tmp_path):
+    rc, log, job_dir = _run_batch(tmp_path, [3, 3, 3], failures=1)
+    assert rc == 3 and (job_dir / "status").read_text() == "failed 3\n", log
+    assert "retried in this allocation (run 0 attempt 2, failed step 3 of at most 3 retried)" in log
+    assert "step exit 3 after 3 failed steps retried: failed" in log
+    assert len([c for c in (job_dir / "srun.log").read_text().splitlines() if "--node" in c]) == 3
+
+
+def test_a_step_the_job_watcher_ended_is_logged_with_its_reason_and_retried(tmp_path):
+    reason = "no step for 130 s (10 x its usual 13 s between records): ended at step 12"
+    rc, log, job_dir = _run_batch(tmp_path, [137, 0], stalled=reason)
+    assert rc == 0, log
+    assert f"step ended by the job watcher: {reason}" in log and not (job_dir / "stalled").exists()
+    assert "step exit 137: retried in this allocation" in log
