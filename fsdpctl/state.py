@@ -423,8 +423,18 @@ def write_kept(path: Path, text: str) -> None:
         tmp.replace(target)
 
 
+def clusters_dir() -> Path:
+    """Where the state directories of clusters live: `<FSDPCTL_HOME>/clusters/<name>`."""
+    return home() / "clusters"
+
+
+def home_of(state_dir: Path) -> Path:
+    """The FSDPCTL_HOME a cluster's state directory is under (clusters_dir's inverse)."""
+    return state_dir.parent.parent
+
+
 def cluster_state(name: str) -> ClusterState:
-    return ClusterState(name=name, root=home() / "clusters" / name)
+    return ClusterState(name=name, root=clusters_dir() / name)
 
 
 def create(spec_file: Path, spec: ClusterSpec, target: Target, **fields: Any) -> ClusterState:
@@ -443,7 +453,7 @@ def set_current(name: str) -> None:
 
 
 def known_clusters() -> list[ClusterState]:
-    clusters = home() / "clusters"
+    clusters = clusters_dir()
     if not clusters.is_dir():
         return []
     return [cluster_state(p.name) for p in sorted(clusters.iterdir()) if (p / "state.json").exists()]

@@ -38,7 +38,7 @@ from fsdpctl.errors import CommandError, StateError, UsageError
 from fsdpctl.processes import processes, signal_all
 from fsdpctl.remote import close_control_masters, run_all, ssh_options
 from fsdpctl.scripts import render_script
-from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings
+from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings, home_of
 from fsdpctl.targets.local import rootfs
 from fsdpctl.targets.local.host import require_host
 from infra.spec import ClusterSpec
@@ -143,7 +143,7 @@ def _owner_hint(route: list[str]) -> str:
     owner = _bridge_owner(device) if BRIDGE_NAME.fullmatch(device) else None
     if owner is None:
         return ""
-    return (f" (cluster {owner.name}'s bridge: `FSDPCTL_HOME={owner.parent.parent} fsdpctl down "
+    return (f" (cluster {owner.name}'s bridge: `FSDPCTL_HOME={home_of(owner)} fsdpctl down "
             f"--cluster {owner.name}`)")
 
 
