@@ -18,7 +18,7 @@ import yaml
 from fsdpctl import slurm_nodes
 from fsdpctl.errors import CommandError
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord
-from fsdpctl.targets.local.power import Agent, request_dir
+from fsdpctl.targets.local.power import Agent
 from tests.ansible.conftest import ROLES_DIR, render_template
 from tests.stand_ins import stand_in_commands
 
@@ -242,7 +242,7 @@ def test_the_agent_stops_once_its_cluster_state_is_gone(tmp_path):
     """A test run killed before `down`, whose temporary FSDPCTL_HOME was then deleted, must not leave
     its agent polling forever."""
     agent = _agent(tmp_path)
-    request_dir(agent.plan).mkdir(parents=True)
+    agent.requests.mkdir(parents=True)
     agent.state.state_path.unlink()
     agent.serve()  # returns at once instead of serving
     assert "is gone: no cluster left to serve" in (agent.state.root / "power-agent.log").read_text()
@@ -254,6 +254,17 @@ def test_the_agent_records_which_ranks_it_stopped_in_the_state(tmp_path):
     assert agent.state.read().local.powered_down == [1]
     agent._record(1, powered_down=False)
     assert agent.state.read().local.powered_down == []
+
+
+def test_the_agent_never_brings_back_nodes_a_down_took_out_of_the_record(tmp_path):
+    """`down` clears the record's nodes before it stops the agent: a request meanwhile is refused, and
+    the record is not given back the nodes the agent started with."""
+    agent = _agent(tmp_path)
+    agent.state.update(local=None)
+    refused = agent.handle("resume pw-node1")
+    assert refused == "error: cluster pw has no local nodes any more (`fsdpctl down` under way)"
+    agent._record(1, powered_down=True)
+    assert agent.state.read().local is None
 
 
 class FakeSlurm:

@@ -54,7 +54,9 @@ class Agent:
         plan = state.read().local
         if plan is None:
             raise CommandError(f"cluster {state.name} has no local nodes: nothing to power")
-        self.plan = plan
+        # The node list is read again for each request (the record is the one source of truth); the
+        # request directory, under the cluster's shared directory, does not move.
+        self.requests = request_dir(plan)
         self.stopping = False
         # Nodes this agent booted: reaped when they stop, so no zombie is left behind.
         self.children: dict[int, subprocess.Popen] = {}
@@ -66,7 +68,7 @@ class Agent:
     def serve(self) -> None:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        requests = request_dir(self.plan)
+        requests = self.requests
         self.say(f"serving {requests} for cluster {self.state.name} (pid {os.getpid()})")
         while not self.stopping:
             if not self.state.exists():  # removed without `down` (a killed test run's temporary home)
@@ -97,7 +99,10 @@ class Agent:
         started = time.monotonic()
         try:
             # Read for each request: `fsdpctl replace` gives a node a new identity (machine-id) meanwhile.
-            plan = self.state.read().local or self.plan
+            plan = self.state.read().local
+            if plan is None:
+                return (f"error: cluster {self.state.name} has no local nodes any more (`fsdpctl down` "
+                        "under way)")
             node = next((n for n in plan.nodes if n.name == name), None)
             if node is None:
                 return f"error: {name} is not a node of cluster {self.state.name}"
@@ -125,7 +130,9 @@ class Agent:
 
     def _record(self, rank: int, *, powered_down: bool) -> None:
         def change(record: ClusterRecord | None) -> dict[str, LocalRecord]:
-            plan = record.local if record and record.local else self.plan
+            plan = record.local if record else None
+            if plan is None:  # taken down meanwhile: nothing to record, nothing to bring back
+                return {}
             ranks = set(plan.powered_down) | {rank} if powered_down else set(plan.powered_down) - {rank}
             return {"local": plan.model_copy(update={"powered_down": sorted(ranks)})}
         self.state.change(change)
