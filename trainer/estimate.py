@@ -19,6 +19,10 @@ HYBRID_SHARD and one under NO_SHARD. Per rank:
   with activation checkpointing only each block's input plus one block recomputed; the attention
   score matrix only without flash attention (CPU); the logits, their gradient and one fp32 loss chunk.
 
+Expert parallelism (P) only shrinks what a block gathers (its E/P experts): E/P experts sharded over
+world / P ranks are ceil(E / world) experts' rows per rank, as without it, and a rank's experts work
+on k slots per token of the rank in expectation (moe_feed_forward_bytes).
+
 The total is compared with the GPU's memory less a reserve (CUDA context, NCCL buffers, allocator
 fragmentation: 10%). Measured against CPU peaks in tests/trainer/test_estimate.py.
 """
@@ -91,6 +95,29 @@ def _local_elements(shape: tuple[int, ...], group: int) -> int:
     return math.ceil(shape[0] / group) * math.prod(shape[1:])
 
 
+def moe_feed_forward_bytes(cfg: TrainConfig) -> int:
+    """Bytes one token saves for backward in a sparse block's feed-forward (trainer/moe.py), its input
+    norm aside. Each token fills k expert slots; with expert parallelism a rank's experts work on the
+    slots its expert group sends them, k per token of the rank in expectation (balanced routing), so
+    per rank the count is the same as without it: the sorted copy of the received rows and the
+    returned outputs take the place of the routed copy and the experts' outputs, and the all-to-alls
+    save nothing themselves. Measured on 2 CPU ranks in tests/trainer/test_estimate.py."""
+    m, e = cfg.model, DTYPE_BYTES[cfg.parallel.param_dtype]
+    h, k, fs = m.dim, m.n_active_experts, m.shared_expert_ffn_dim
+    router = 4 * m.n_experts  # the fp32 probabilities
+    if m.norm_topk_prob:  # the renormalisation's fp32 top-k probabilities and their sum
+        router += 4 * (k + 1)
+    # Per slot: the routed copy of the input, the experts' own tensors (w1 and w3 outputs, silu, their
+    # product; gpt-oss's clamped SwiGLU counted the same), their output, the weighted output index_add_
+    # keeps, the routing weight, and the int64 indices (top-k expert, sort order, token of the slot;
+    # with expert parallelism also the received rows' regrouping by expert and its inverse).
+    indices = 3 + (2 if cfg.parallel.expert_parallel > 1 else 0)
+    slot = e * (3 * h + 4 * m.expert_ffn_dim + 1) + 8 * indices
+    # Qwen2-MoE: a dense SwiGLU's tensors, its gate's sigmoid, its output.
+    shared = e * (4 * fs + 1 + h) if fs else 0
+    return router + k * slot + shared
+
+
 def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: bool,
                      flash_attention: bool = True) -> int:
     """Bytes of activations one micro-batch holds at its peak: the start of backward without
@@ -108,16 +135,8 @@ def activation_bytes(cfg: TrainConfig, micro_batch_size: int, *, checkpointing: 
     if m.attention_sinks and not flash_attention:  # computed in full off CUDA (trainer/model.py)
         scores = (4 + e) * m.n_heads * cfg.data.seq_len
     per_block = tokens * (attention + feed_forward + scores)
-    # Mixture of experts, kept simple: every token is routed to k experts, so the experts' saved
-    # tensors are the dense ones for k x tokens at the expert width, plus the k routed copies of the
-    # input and of the experts' outputs and the router's fp32 logits and probabilities.
     k, fm, fs = m.n_active_experts, m.expert_ffn_dim, m.shared_expert_ffn_dim
-    moe_feed_forward = rmsnorm + e * 4 * k * fm + 2 * e * k * h + 2 * 4 * m.n_experts
-    if fs:  # Qwen2-MoE's shared expert: a dense SwiGLU's tensors, its gate's logit and sigmoid, its output
-        moe_feed_forward += e * (4 * fs + 2 + h)
-    if cfg.parallel.expert_parallel > 1:  # the all-to-alls' received rows and returned outputs
-        moe_feed_forward += 2 * e * k * h
-    per_moe_block = tokens * (attention + moe_feed_forward + scores)
+    per_moe_block = tokens * (attention + rmsnorm + moe_feed_forward_bytes(cfg) + scores)
     sparse = sum(m.is_moe_layer(i) for i in range(m.n_layers))
     blocks = (m.n_layers - sparse) * per_block + sparse * per_moe_block
     widest = max(f if sparse < m.n_layers else 0, max(k * fm, fs) if sparse else 0)

@@ -140,11 +140,12 @@ def test_lora_adapts_the_shared_expert_and_the_estimate_counts_it(qwen2_moe):
     # Feed-forward targets alone are fine here: they adapt the shared expert of every sparse block.
     assert load_config("finetune", _overrides(qwen2_moe, "parallel.lora.rank=4",
                                               "parallel.lora.target_modules=[gate_proj]")).parallel.lora.enabled
-    # Its activations: the shared expert's SwiGLU tensors, gate and output, per token of the sparse block.
+    # Its activations: the shared expert's SwiGLU tensors, gate's sigmoid and output, per token of the
+    # sparse block.
     m = cfg.model
     without = cfg.model_copy(update={"model": m.model_copy(update={"shared_expert_ffn_dim": 0})})
     extra = activation_bytes(cfg, 1, checkpointing=False) - activation_bytes(without, 1, checkpointing=False)
-    assert extra == 64 * 2 * (4 * 48 + 2 + 64)
+    assert extra == 64 * 2 * (4 * 48 + 1 + 64)
 
 
 @pytest.mark.parametrize(("nproc", "expert_parallel"), [(2, 1), (2, 2), (4, 2)])
