@@ -27,10 +27,10 @@ from __future__ import annotations
 from fsdpctl.checks.smoke import smoke
 from fsdpctl.configure import configure
 from fsdpctl.deploy import deploy_cluster as deploy
-from fsdpctl.jobs import cancel, jobs, logs
+from fsdpctl.jobs import cancel, job_history, jobs, logs
 from fsdpctl.lifecycle import down, list_clusters, status, up
 from fsdpctl.plan import plan
 from fsdpctl.train import train
 
-__all__ = ["cancel", "configure", "deploy", "down", "jobs", "list_clusters", "logs", "plan", "smoke",
-           "status", "train", "up"]
+__all__ = ["cancel", "configure", "deploy", "down", "job_history", "jobs", "list_clusters", "logs", "plan",
+           "smoke", "status", "train", "up"]

@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = cmd("jobs", "List the training jobs: Slurm state, nodes, last step, loss, tokens/s.")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--all", action="store_true",
+                    help="every Slurm job the cluster runs or ran (plain sbatch too), from the queue and the "
+                    "controller's job-completion log: state, nodes, start, end, exit code, runs")
 
     sp = cmd("logs", "Print a training job's output (Slurm's slurm-JOB.out in the job's directory).")
     sp.add_argument("job", type=int, metavar="JOB", help="the Slurm job id (`fsdpctl jobs`)")

@@ -10,10 +10,11 @@ import sys
 from argparse import Namespace
 from typing import Any
 
-from fsdpctl import remote, slurm, slurm_nodes
+from fsdpctl import remote, slurm, slurm_history, slurm_nodes
 from fsdpctl.console import print_json, say
 from fsdpctl.scripts import render_script
 from fsdpctl.slurm import JobRow
+from fsdpctl.slurm_history import HistoryRow
 from fsdpctl.state import resolve_cluster
 
 
@@ -28,8 +29,34 @@ def jobs(cluster: str | None = None) -> list[JobRow]:
     return slurm.list_jobs(record)
 
 
+def job_history(cluster: str | None = None) -> list[HistoryRow]:
+    """Every Slurm job of the cluster, fsdpctl's or not, oldest first: the queue's and the controller's
+    job-completion log's (fsdpctl/slurm_history.py)."""
+    _state, record, _spec = resolve_cluster(cluster)
+    return slurm_history.job_history(record)
+
+
+def _print_history(rows: list[HistoryRow], cluster: str) -> None:
+    if not rows:
+        say(f"no Slurm jobs in the queue or the job-completion log of cluster {cluster}")
+        return
+    say(f"{'JOB':>6} {'NAME':<24} {'USER':<8} {'STATE':<11} {'NODES':<20} {'START':<19} {'END':<19} "
+        f"{'EXIT':<6} {'RUNS':>4}")
+    for row in rows:
+        say(f"{row.job_id:>6} {row.name[:24]:<24} {row.user[:8]:<8} {row.state[:11]:<11} "
+            f"{(row.nodes or '-')[:20]:<20} {row.start or '-':<19} {row.end or '-':<19} "
+            f"{row.exit_code or '-':<6} {row.runs:>4}")
+
+
 def cmd_jobs(args: Namespace) -> int:
     _state, record, _spec = resolve_cluster(args.cluster)
+    if args.all:
+        history = slurm_history.job_history(record)
+        if args.json:
+            print_json([dataclasses.asdict(row) for row in history])
+        else:
+            _print_history(history, record.name)
+        return 0
     rows = slurm.list_jobs(record)
     if args.json:
         print_json([dataclasses.asdict(row) for row in rows])

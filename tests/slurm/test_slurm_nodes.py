@@ -11,7 +11,8 @@ from its checkpoint, repeating the lost steps with the same losses; a frozen wor
 by the job watcher, which ends the step, and the job resumes the same way; the spot watcher drains
 its node on a rebalance recommendation and on an interruption notice from an IMDS stand-in on the
 node's loopback, and the job running there checkpoints at once;
-`fsdpctl exclude` drains the node.
+`fsdpctl jobs --all` lists a plain sbatch job next to fsdpctl's, with each job's runs from the
+completion log; `fsdpctl exclude` drains the node.
 
 The tests run in file order (the last ones drain nodes)."""
 
@@ -320,6 +321,31 @@ def test_sigusr1_checkpoints_at_the_next_step_and_the_requeued_job_goes_on_from_
     assert f"/checkpoints/step_{stop:08d} (step {stop})" in log.split("after SIGUSR1: requeued")[1]
     # every step once: nothing done before the signal is redone or lost
     assert [r["step"] for r in steps(job_dir / "metrics.jsonl")] == list(range(1, 41))
+
+
+def test_jobs_all_lists_every_slurm_job_with_its_runs_from_the_completion_log(cluster):
+    """`fsdpctl jobs --all`: a plain sbatch job next to fsdpctl's; the job requeued after SIGUSR1 ran
+    twice, the one whose killed step was retried in its allocation once."""
+    home, env = cluster
+    plain = int(ssh(cluster, 0, "sbatch --parsable --job-name plain-wrap --output /dev/null --wrap true")
+                .stdout)
+
+    def history() -> dict[str, dict]:
+        rows = json.loads(fsdpctl(home, "jobs", "--all", "--json", env=env).stdout)
+        return {row["name"]: row for row in rows}
+
+    rows = wait_for(lambda: (h := history()).get("plain-wrap", {}).get("state") == "COMPLETED" and h,
+                    "the plain job in the history", timeout=120)
+    assert (rows["plain-wrap"]["job_id"], rows["plain-wrap"]["exit_code"], rows["plain-wrap"]["runs"]) == (
+        plain, "0:0", 1)
+    assert (rows["tiny-usr1"]["state"], rows["tiny-usr1"]["runs"]) == ("COMPLETED", 2)
+    assert (rows["tiny-kill"]["state"], rows["tiny-kill"]["runs"]) == ("COMPLETED", 1)
+    assert rows["tiny-2n"]["work_dir"] == str(Path("/shared/fsdp-cluster/jobs/tiny-2n"))
+    table = fsdpctl(home, "jobs", "--all", env=env).stdout
+    assert table.splitlines()[0].split() == ["JOB", "NAME", "USER", "STATE", "NODES", "START", "END", "EXIT",
+                                             "RUNS"]
+    assert any(line.split()[:4] == [str(plain), "plain-wrap", "root", "COMPLETED"]
+               for line in table.splitlines())
 
 
 def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notice(cluster):
