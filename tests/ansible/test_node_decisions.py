@@ -1,6 +1,8 @@
 """The decisions the hardware roles take from what a node already has (a Deep Learning AMI brings a
-newer driver, GDRCopy, EFA installer and aws-ofi-nccl, and mounts its instance store), rendered by
-Ansible's templating exactly as the tasks write them, with the variables of a p4d/p5 node."""
+newer driver, GDRCopy, EFA installer and aws-ofi-nccl), rendered by Ansible's templating exactly as the
+tasks write them, with the variables of a p4d/p5 node. What to do with the instance store (adopt the
+image's volume or build our own) is the storage role's scratch program's decision:
+tests/ansible/test_scratch.py."""
 
 from __future__ import annotations
 
@@ -591,26 +593,3 @@ def test_gpudirect_accepts_a_peer_memory_module_or_dma_buf(
         {**variables, "gpudirect_module": chosen, "gpudirect_dmabuf": dmabuf},
     )
     assert refused is (not module and not dmabuf)
-
-
-# ----------------------------------------------------------------------------------------- storage
-def scratch_action(gpu_node, *, mounts, **overrides):
-    findmnt = {"filesystems": [{"target": t, "source": "/dev/x", "fstype": "xfs"} for t in ["/", *mounts]]}
-    variables = gpu_node("p4d.24xlarge", storage_findmnt={"stdout": json.dumps(findmnt)}, **overrides)
-    name = "Decide what to do with the instance store"
-    return evaluate("storage", "scratch.yml", name, "storage_scratch_action", variables).strip()
-
-
-def test_dlami_instance_store_mount_is_adopted(gpu_node):
-    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme"]) == "adopt"
-    # second run: /scratch is the bind mount now; still the same decision, nothing re-created
-    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme", "/scratch"]) == "adopt"
-
-
-def test_without_the_images_volume_the_scratch_program_decides(gpu_node):
-    # plain Ubuntu, a node configured before (/scratch mounted), adoption switched off: fsdp-scratch
-    # decides, at configure time and at every boot (ready, other, mount, create or refuse:
-    # tests/ansible/test_scratch.py)
-    assert scratch_action(gpu_node, mounts=[]) == "own"
-    assert scratch_action(gpu_node, mounts=["/scratch"]) == "own"
-    assert scratch_action(gpu_node, mounts=["/opt/dlami/nvme"], storage_adopt_image_mount=False) == "own"
