@@ -40,6 +40,7 @@ def group_vars(record: ClusterRecord, spec: ClusterSpec) -> dict[str, Any]:
         "fsdp_mtu": spec.network.mtu,
         "fsdp_instance_type": spec.instance_type,
         "fsdp_gpus_per_node": instance.gpus,
+        "fsdp_gpu_model": instance.gpu_model,
         "fsdp_efa_count": instance.efa_interfaces,
         "fsdp_nvme_devices": instance.nvme_devices,
         "fsdp_nvswitch": instance.nvswitch,

@@ -34,10 +34,36 @@ def _load(path: Path) -> dict[str, Any]:
     return (_loader.load_from_file(str(path), trusted_as_template=True) or {}) if path.exists() else {}
 
 
+SOCKETS = 2
+"""Sockets (and NUMA nodes) of every catalog type: two Intel Xeons on a p4d, two AMD EPYCs on a p5."""
+
+
+def _cpu_topology(root: Path, vcpus: int) -> None:
+    """The CPUs of a two-socket instance with two hyper-threads per core, numbered as Linux numbers them on
+    a p4d (lscpu: NUMA node0 CPUs 0-23,48-71, node1 24-47,72-95): the first thread of every core, socket 0's
+    cores first, then the second threads in the same order. Core ids count from 0 in each socket."""
+    cores = vcpus // 2
+    per_socket = cores // SOCKETS
+    for cpu in range(vcpus):
+        core = cpu % cores
+        topology = root / f"sys/devices/system/cpu/cpu{cpu}/topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text(f"{core // per_socket}\n")
+        (topology / "core_id").write_text(f"{core % per_socket}\n")
+        (topology / "thread_siblings_list").write_text(f"{core},{core + cores}\n")
+    for node in range(SOCKETS):
+        first, last = node * per_socket, (node + 1) * per_socket - 1
+        cpulist = root / f"sys/devices/system/node/node{node}/cpulist"
+        cpulist.parent.mkdir(parents=True)
+        cpulist.write_text(f"{first}-{last},{first + cores}-{last + cores}\n")
+
+
 def sysfs_tree(root: Path, instance_type: str, *, ebs_volumes: int = 1) -> Path:
     """A sysfs/proc layout like an EC2 instance of that type: its GPUs and NVSwitches on the PCI bus, its
-    EFA devices bound to the efa driver, its NVMe instance store next to EBS volumes."""
+    EFA devices bound to the efa driver, its NVMe instance store next to EBS volumes, its CPUs in two
+    sockets, each GPU with the NUMA node and CPUs near it (local_cpulist)."""
     facts = catalog.CATALOG[instance_type]
+    _cpu_topology(root, facts.vcpus)
     pci = root / "sys/bus/pci/devices"
     functions = [("0x10de", "0x030200")] * facts.gpus + [("0x10de", "0x068000")] * (
         6 if facts.nvswitch else 0
@@ -48,6 +74,16 @@ def sysfs_tree(root: Path, instance_type: str, *, ebs_volumes: int = 1) -> Path:
         dev.mkdir(parents=True)
         (dev / "vendor").write_text(vendor + "\n")
         (dev / "class").write_text(pci_class + "\n")
+    # The first half of the GPUs hang off socket 0, the rest off socket 1: on a p4d GPUs 0-3 are near
+    # CPUs 0-23,48-71 and GPUs 4-7 near 24-47,72-95 (aws/aws-ofi-nccl topology/p4d-24xl-topo.xml, the
+    # NCCL topology AWS ships for the p4d: cpu numaid 0 affinity 000000ff,ffff0000,00ffffff over GPUs
+    # 0000:10:1c.0 to 0000:20:1d.0, numaid 1 ffffff00,0000ffff,ff000000 over the other four); on a p5 four
+    # GPUs per socket (its topology/p5.48xl-topo.xml: four PCIe switches, one GPU each, under each socket).
+    for n in range(facts.gpus):
+        dev = pci / f"0000:{n + 16:02x}:00.0"
+        node = n * SOCKETS // facts.gpus
+        (dev / "numa_node").write_text(f"{node}\n")
+        (dev / "local_cpulist").write_text((root / f"sys/devices/system/node/node{node}/cpulist").read_text())
     driver = root / "sys/bus/pci/drivers/efa"
     driver.mkdir(parents=True)
     for n in range(facts.efa_interfaces):

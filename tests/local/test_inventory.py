@@ -66,8 +66,9 @@ def test_local_inventory_has_nodes_ranks_and_contract_vars(home, tmp_path):
     assert v["fsdp_shared_dir"] == "/shared" and v["fsdp_fsx_enabled"] is False
     assert v["fsdp_nccl_version"] == "2.29.3-1" and v["fsdp_efa_installer_sha256"] is None
     contract = {"fsdp_cluster_name", "fsdp_target", "fsdp_offline", "fsdp_mtu", "fsdp_instance_type",
-                "fsdp_gpus_per_node", "fsdp_efa_count", "fsdp_nvme_devices", "fsdp_nvswitch",
-                "fsdp_scratch_mount", "fsdp_shared_dir", "fsdp_fsx_enabled", "fsdp_fsx_dns_name",
+                "fsdp_gpus_per_node", "fsdp_gpu_model", "fsdp_efa_count", "fsdp_nvme_devices",
+                "fsdp_nvswitch", "fsdp_scratch_mount", "fsdp_shared_dir", "fsdp_fsx_enabled",
+                "fsdp_fsx_dns_name",
                 "fsdp_fsx_mount_name", "fsdp_fsx_mount_point", "fsdp_region", "fsdp_checkpoint_bucket",
                 "fsdp_nvidia_driver_branch", "fsdp_cuda_version", "fsdp_gdrcopy_version",
                 "fsdp_efa_installer_version", "fsdp_efa_installer_sha256", "fsdp_nccl_version",

@@ -60,12 +60,13 @@ def p4d_node(tmp_path):
     line = ("NodeName={host} CPUs=96 Boards=1 SocketsPerBoard=2 CoresPerSocket=24 ThreadsPerCore=2 "
             "RealMemory=1160000\n{gpus}")
 
+    variables = node_variables(tmp_path / "state", "p4d.24xlarge", hardware)
+    hosts = variables["groups"]["nodes"]
+    results = [{"item": h, "stdout": line.format(host=h, gpus=8 - 8 * i),
+                "stdout_lines": line.format(host=h, gpus=8 - 8 * i).splitlines()}
+               for i, h in enumerate(hosts)]
+
     def make(**overrides):
-        variables = node_variables(tmp_path / "state", "p4d.24xlarge", hardware)
-        hosts = variables["groups"]["nodes"]
-        results = [{"item": h, "stdout": line.format(host=h, gpus=8 - 8 * i),
-                    "stdout_lines": line.format(host=h, gpus=8 - 8 * i).splitlines()}
-                   for i, h in enumerate(hosts)]
         return {**variables, "slurm_hardware": {"results": results}, "slurm_use_cgroup": True, **overrides}
 
     return make

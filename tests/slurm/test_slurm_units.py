@@ -17,7 +17,14 @@ import yaml
 from fsdpctl import slurm, slurm_nodes
 from fsdpctl.errors import UsageError
 from fsdpctl.targets.local import rootfs
-from tests.ansible.conftest import ROLES_DIR, render_template
+from tests.ansible.conftest import (
+    ROLES_DIR,
+    detect_hardware,
+    node_variables,
+    render,
+    render_template,
+    sysfs_tree,
+)
 from tests.stand_ins import stand_in_commands
 
 DEFAULTS = yaml.safe_load((ROLES_DIR / "slurm/defaults/main.yml").read_text())
@@ -93,7 +100,7 @@ def test_slurm_conf_from_inventory_and_hardware(p4d_node):
     assert settings["JobCompLoc"] == "/var/log/slurm/jobcomp.log"
     nodes = [line for line in conf if line.startswith("NodeName=")]
     assert nodes[0] == (f"NodeName={hosts[0]} NodeAddr={address} CPUs=96 Boards=1 SocketsPerBoard=2 "
-                        "CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1160000 Gres=gpu:8 State=UNKNOWN")
+                        "CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1160000 Gres=gpu:a100:8 State=UNKNOWN")
     assert "Gres=" not in nodes[1]  # its slurmd -C probe found no /dev/nvidia*
     assert conf[-1] == ("PartitionName=train Nodes=ALL Default=YES MaxTime=INFINITE OverSubscribe=EXCLUSIVE "
                         "State=UP")
@@ -107,9 +114,56 @@ def test_controller_moves_with_the_rank_and_containers_track_by_parentage(p4d_no
     assert "ProctrackType=proctrack/linuxproc" in text and "TaskPlugin=task/none" in text
 
 
-def test_gres_conf_lists_the_gpus(p4d_node):
-    text = render_template("slurm", "gres.conf.j2", p4d_node())
-    assert "Name=gpu File=/dev/nvidia[0-7]" in text
+def _gres_lines(variables) -> list[str]:
+    text = render_template("slurm", "gres.conf.j2", variables)
+    return [line for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def test_gres_conf_lists_each_gpu_typed_with_the_cores_of_its_socket(p4d_node):
+    # The p4d's two sockets of 24 cores x 2 hyper-threads: GPUs 0-3 near CPUs 0-23,48-71, which are
+    # Slurm's cores 0-23, GPUs 4-7 near 24-47,72-95, its cores 24-47 (the layout: tests/ansible/conftest.py
+    # sysfs_tree, from the NCCL topology file AWS ships for the p4d). Linux CPU numbers would be wrong:
+    # Slurm has no core 48 on a node of 48 cores.
+    assert _gres_lines(p4d_node()) == [
+        *(f"Name=gpu Type=a100 File=/dev/nvidia{n} Cores=0-23" for n in range(4)),
+        *(f"Name=gpu Type=a100 File=/dev/nvidia{n} Cores=24-47" for n in range(4, 8))]
+
+
+def test_a_node_without_affinity_facts_gets_no_cores(tmp_path, p4d_node):
+    # a GPU instance whose sysfs says nothing about NUMA (no local_cpulist, numa_node -1)
+    root = sysfs_tree(tmp_path / "no-numa", "p4d.24xlarge")
+    for gpu in root.glob("sys/bus/pci/devices/*/local_cpulist"):
+        gpu.unlink()
+        (gpu.parent / "numa_node").write_text("-1\n")
+    lines = _gres_lines(p4d_node(fsdp_hardware=detect_hardware(root)))
+    assert lines == [f"Name=gpu Type=a100 File=/dev/nvidia{n}" for n in range(8)]
+
+
+@pytest.mark.parametrize(("instance_type", "gres_type"), [
+    ("p4d.24xlarge", "a100"), ("p4de.24xlarge", "a100"), ("p5.48xlarge", "h100"), ("p5e.48xlarge", "h200"),
+    ("p5en.48xlarge", "h200")])
+def test_the_gres_type_on_aws_is_the_catalog_gpu_model(tmp_path, instance_type, gres_type):
+    # no driver loaded (the facts know no model): the instance catalog names it
+    hardware = detect_hardware(sysfs_tree(tmp_path / "sysfs", instance_type))
+    variables = node_variables(tmp_path / "state", instance_type, hardware)
+    assert render("{{ slurm_gpu_type }}", variables) == gres_type
+
+
+def test_elsewhere_the_gres_type_is_the_model_the_driver_reports_and_untyped_without_one(tmp_path, p4d_node):
+    root = sysfs_tree(tmp_path / "with-driver", "p4d.24xlarge")
+    hardware = detect_hardware(root)
+    off_aws = {"hardware_required": False, "fsdp_hardware": hardware}
+    assert _gres_lines(p4d_node(**off_aws))[0] == "Name=gpu File=/dev/nvidia0 Cores=0-23"
+    text = render_template("slurm", "slurm.conf.j2", p4d_node(**off_aws))
+    assert " Gres=gpu:8 State=UNKNOWN" in text
+    for n, address in enumerate(hardware["gpus"]):
+        information = root / "proc/driver/nvidia/gpus" / address / "information"
+        information.parent.mkdir(parents=True)
+        information.write_text(f"Model: \t\t NVIDIA H100 80GB HBM3\nDevice Minor: \t {n}\n")
+    off_aws["fsdp_hardware"] = detect_hardware(root)
+    assert _gres_lines(p4d_node(**off_aws))[-1] == "Name=gpu Type=h100 File=/dev/nvidia7 Cores=24-47"
+    text = render_template("slurm", "slurm.conf.j2", p4d_node(**off_aws))
+    assert " Gres=gpu:h100:8 State=UNKNOWN" in text
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
