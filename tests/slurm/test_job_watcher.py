@@ -100,6 +100,16 @@ def test_a_step_that_wrote_nothing_yet_is_starting_not_stalled(watcher, slurm):
     assert not watched.ended and not (slurm / "scancel.log").exists()
 
 
+def test_after_its_summary_record_a_run_is_finishing_not_stalled(watcher, slurm):
+    """The export to Hugging Face format and the shutdown come after the summary and write no metrics."""
+    metrics = slurm / "job41/metrics.jsonl"
+    watched = watcher.Watched(metrics=str(metrics), size=0)
+    metrics.write_text(_records(range(1, 11), 0.5) + json.dumps({"event": "summary", "steps": 10}) + "\n")
+    watcher.watch("41.1", watched, 0.0)
+    watcher.watch("41.1", watched, 1e5)
+    assert watched.finished and not watched.ended and not (slurm / "scancel.log").exists()
+
+
 def test_the_watcher_runs_from_its_settings_and_says_what_it_watches(slurm):
     env = {**os.environ, "FSDP_STALL_FACTOR": "4", "FSDP_STALL_MIN_S": "60", "FSDP_WATCH_POLL_S": "0.1"}
     proc = subprocess.Popen([sys.executable, str(PROGRAM)], stdout=subprocess.PIPE, text=True, env=env)

@@ -16,7 +16,9 @@ its health check, else through a requeue.
 The usual interval is the median of the intervals between growths this watcher saw, or, before it saw
 two, the step time of the last record times the step records of the last growth. A step is judged
 only once its file grew during it: loading a large model or compiling may take long, and a job that
-writes no metrics (`fsdpctl train --command`) is not watched.
+writes no metrics (`fsdpctl train --command`) is not watched. Nor is a step once its run wrote its
+summary record: what follows (the Hugging Face export, the shutdown) writes no metrics and takes what
+it takes.
 
 Settings (environment, from /etc/fsdp-cluster/job-watcher.env): FSDP_STALL_FACTOR, FSDP_STALL_MIN_S,
 FSDP_WATCH_POLL_S.
@@ -55,6 +57,8 @@ class Watched:
     estimate_s: float | None = None
     """The last record's step time times the step records of the last growth."""
     ended: bool = False
+    finished: bool = False
+    """The run wrote its summary: no more metrics will come."""
 
     def usual_interval_s(self):
         if len(self.intervals) >= 2:
@@ -88,34 +92,39 @@ def size_of(path):
         return None
 
 
-def growth_estimate_s(path, start):
-    """The last step record's step time times the step records written after byte `start`."""
+def read_growth(path, start):
+    """(the last step record's step time times the step records written after byte `start`, or None;
+    whether those bytes hold the run's summary record)."""
     with open(path, "rb") as f:
         f.seek(start)
         lines = f.read().decode(errors="replace").splitlines()
-    records = []
+    records, summary = [], False
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and "step_time_s" in record and "event" not in record:
+        if not isinstance(record, dict):
+            continue
+        if record.get("event") == "summary":
+            summary = True
+        elif "step_time_s" in record and "event" not in record:
             records.append(record)
-    if not records:
-        return None
-    return float(records[-1]["step_time_s"]) * len(records)
+    estimate = float(records[-1]["step_time_s"]) * len(records) if records else None
+    return estimate, summary
 
 
 def watch(step, watched, now):
     """Update what is known of one step; end it when it has stalled."""
     size = size_of(watched.metrics)
-    if size is None or watched.ended:
+    if size is None or watched.ended or watched.finished:
         return
     if size != watched.size:
         if watched.grew_at is not None:
             watched.intervals = [*watched.intervals, now - watched.grew_at][-KEPT_INTERVALS:]
         if size > watched.size:
-            watched.estimate_s = growth_estimate_s(watched.metrics, watched.size) or watched.estimate_s
+            estimate, watched.finished = read_growth(watched.metrics, watched.size)
+            watched.estimate_s = estimate or watched.estimate_s
         watched.size, watched.grew_at = size, now
         return
     if watched.grew_at is None:
