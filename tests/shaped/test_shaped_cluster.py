@@ -20,7 +20,7 @@ import pytest
 
 from fsdpctl import remote
 from fsdpctl.inventory import write_inventory
-from fsdpctl.state import cluster_state
+from fsdpctl.state import ClusterState, cluster_state
 from tests.local.conftest import REPO, fsdpctl, spec_file
 from tests.shaped import dlami
 
@@ -79,10 +79,11 @@ def cluster(prerequisites, tmp_path_factory):
         fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
 
 
-@pytest.fixture(scope="module")
-def check_mode(cluster):
-    """ansible-playbook --check of the hardware roles on the fresh image (nothing written yet)."""
-    home, state = cluster
+def check_mode_run(
+    home: Path, state: ClusterState, tags: tuple[str, ...], extra_vars: dict
+) -> subprocess.CompletedProcess:
+    """ansible-playbook --check of the roles `tags` on the cluster's nodes (fsdpctl configure has no check
+    mode), with Ansible's own output, where `changed: [host]` is a would-change."""
     inventory = write_inventory(state)
     with tempfile.TemporaryDirectory(prefix="hwcp", dir="/tmp") as control:
         env = {
@@ -94,7 +95,7 @@ def check_mode(cluster):
             "ANSIBLE_SSH_CONTROL_PATH_DIR": control,
             "ANSIBLE_NOCOLOR": "1",
         }
-        extra = ["-e", json.dumps(EXTRA_VARS)]
+        extra = ["-e", json.dumps(extra_vars)]
         try:
             return subprocess.run(
                 [
@@ -104,7 +105,7 @@ def check_mode(cluster):
                     "ansible/site.yml",
                     "--check",
                     "--tags",
-                    ",".join(HARDWARE_ROLES),
+                    ",".join(tags),
                     *extra,
                 ],
                 cwd=REPO,
@@ -115,6 +116,13 @@ def check_mode(cluster):
             )
         finally:
             remote.close_control_masters(Path(control))
+
+
+@pytest.fixture(scope="module")
+def check_mode(cluster):
+    """ansible-playbook --check of the hardware roles on the fresh image (nothing written yet)."""
+    home, state = cluster
+    return check_mode_run(home, state, HARDWARE_ROLES, EXTRA_VARS)
 
 
 @pytest.fixture(scope="module")

@@ -3,36 +3,89 @@
 configure --tags nvidia` installs the driver branch's `-server-open` packages, loads the module DKMS built
 (a container is never rebooted), reads the hardware again, and installs Ubuntu's Fabric Manager at exactly
 the installed `nvidia-kernel-common-<branch>-server` version; the second run changes nothing. What the play
-left for the roles after it (the hardware fact) is read from the facts ansible-runner cached for the run."""
+left for the roles after it (the hardware fact) is read from the facts ansible-runner cached for the run.
+Before any of it, check mode on the fresh node previews the install path and leaves the node as it was."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from fsdpctl import remote
-from fsdpctl.state import cluster_state
+from fsdpctl.state import ClusterState, cluster_state
 from tests.local.conftest import fsdpctl, spec_file
 from tests.shaped import dlami, ubuntu
-from tests.shaped.test_shaped_cluster import RECAP, results
+from tests.shaped.test_shaped_cluster import RECAP, check_mode_run, results
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 NAME = "hw-ubuntu"
 SUBNET = "198.18.41.0/24"
 NODE = f"{NAME}-node0"
-EXTRA_ARGS = [
-    a
-    for k, v in {
-        "fsdp_sysfs_root": dlami.SHAPE,  # hardware_facts reads the shaped tree
-        "fsdp_offline": False,  # the stand-in archive is the node's package source
-        "hardware_required": True,  # absent hardware fails, as on AWS
-    }.items()
-    for a in ("-e", f"{k}={json.dumps(v)}")
-]
+EXTRA_VARS = {
+    "fsdp_sysfs_root": dlami.SHAPE,  # hardware_facts reads the shaped tree
+    "fsdp_offline": False,  # the stand-in archive is the node's package source
+    "hardware_required": True,  # absent hardware fails, as on AWS
+}
+EXTRA_ARGS = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
 PACKAGES = "dpkg-query -W -f '${Package}=${Version} ${db:Status-Want}\\n' "
+# ansible-playbook's own output: a task's header, then a line per host result
+TASK_HEADER = re.compile(r"^TASK \[(?:(\S+) : )?(.+?)\] \*+$")
+HOST_RESULT = re.compile(r"^(ok|changed|skipping|fatal|failed): \[([^\]]+)\]")
+
+
+@dataclass(frozen=True)
+class NodeSnapshot:
+    """What a configure run changes on a fresh node: its packages (with their selection: hold or install),
+    and its systemd units."""
+
+    packages: tuple[str, ...]
+    holds: tuple[str, ...]
+    units: tuple[str, ...]
+
+
+def snapshot(state: ClusterState) -> NodeSnapshot:
+    def lines(command: str) -> tuple[str, ...]:
+        return tuple(remote.run(state, 0, command).stdout.splitlines())
+
+    return NodeSnapshot(
+        packages=lines("dpkg-query -W -f '${Package}=${Version} ${db:Status-Abbrev}\\n'"),
+        holds=lines("apt-mark showhold"),
+        units=lines("systemctl list-unit-files --no-legend --no-pager --plain | cut -d' ' -f1"),
+    )
+
+
+def playbook_results(stdout: str) -> dict[tuple[str, str, str], set[str]]:
+    """(host, role, task) -> its statuses in ansible-playbook's own output, as `results` reads fsdpctl's:
+    ok, changed, skipped, failed, or ignored (a failure the task's ignore_errors let the play go past)."""
+    found: dict[tuple[str, str, str], set[str]] = {}
+    role = task = ""
+    last: tuple[tuple[str, str, str], str] | None = None
+    for line in stdout.splitlines():
+        if header := TASK_HEADER.match(line):
+            role, task = header.group(1) or "", header.group(2)
+        elif result := HOST_RESULT.match(line):
+            status = {"skipping": "skipped", "fatal": "failed"}.get(result.group(1), result.group(1))
+            last = ((result.group(2), role, task), status)
+            found.setdefault(last[0], set()).add(status)
+        elif line.strip() == "...ignoring" and last is not None:
+            found[last[0]].discard(last[1])
+            found[last[0]].add("ignored")
+    return found
+
+
+@dataclass(frozen=True)
+class CheckRun:
+    """A check-mode run and the node as it was before and after it."""
+
+    before: NodeSnapshot
+    run: subprocess.CompletedProcess
+    after: NodeSnapshot
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +124,16 @@ def cached_facts(home: Path, run: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def first_run(cluster):
+def check_mode(cluster) -> CheckRun:
+    """`--check --tags nvidia` on the fresh node, with what the node had before and after it."""
+    home, state = cluster
+    before = snapshot(state)
+    run = check_mode_run(home, state, ("nvidia",), EXTRA_VARS)
+    return CheckRun(before=before, run=run, after=snapshot(state))
+
+
+@pytest.fixture(scope="module")
+def first_run(cluster, check_mode):
     home, _ = cluster
     return configure(home)
 
@@ -80,6 +142,32 @@ def first_run(cluster):
 def second_run(cluster, first_run):
     home, _ = cluster
     return configure(home)
+
+
+def test_check_mode_on_the_fresh_node_previews_the_install_and_changes_nothing(check_mode):
+    # no nvidia-smi, no module, no packages, no units yet: what the skipped writes would have made is not
+    # there to read, and the preview must neither fail on that nor change the node
+    out = check_mode.run.stdout
+    assert check_mode.run.returncode == 0, out[-6000:] + check_mode.run.stderr[-2000:]
+    recap = re.findall(
+        r"^(\S+)\s+: ok=\d+\s+changed=\d+\s+unreachable=(\d+)\s+failed=(\d+)", out, re.MULTILINE
+    )
+    assert recap == [(NODE, "0", "0")], out[-3000:]
+    found = playbook_results(out)
+    for task, statuses in {
+        "Blacklist nouveau": {"changed"},
+        "Install the driver packages of the branch": {"changed"},
+        "Run the persistence daemon with persistence mode on": {"changed"},
+        "Reboot to load the new driver": {"skipped"},  # a container: never rebooted
+        "Install Fabric Manager at the driver's version": {"skipped"},  # no driver to match yet, and why:
+        "Skip installing Fabric Manager in check mode (no driver installed yet)": {"skipped"},
+    }.items():
+        assert found.get((NODE, "nvidia", task)) == statuses, (task, found.get((NODE, "nvidia", task)))
+    assert "check mode installs no driver, so it cannot say which packages" in " ".join(out.split())
+    assert check_mode.after == check_mode.before
+    assert not [p for p in check_mode.after.packages if "nvidia" in p], check_mode.after.packages
+    assert check_mode.after.holds == ()
+    assert "nvidia-persistenced.service" not in check_mode.after.units
 
 
 def test_first_run_installs_the_driver_and_loads_it_without_a_reboot(first_run):
