@@ -252,25 +252,31 @@ def _seconds_to_the_first_step_again(job_dir: Path, faulted_at: float, last_step
     return time.monotonic() - faulted_at
 
 
+def _fault_after_step_12(cluster, name: str, fault: str, what: str) -> tuple[int, Path, str]:
+    """Run the 60-step job `name` (a record per step: the default log interval of 10 would leave the
+    steps after the last flush unlogged), run `fault` on node 1 after step 12 ($AGENT is the pid of the
+    job's torchrun there), print the seconds from the fault to the first step done again, and wait for
+    the job to complete; (its id, its directory, its log)."""
+    job_id = train(cluster, *KILL_RUN, "--name", name)
+    job_dir = shared(cluster) / f"fsdp-cluster/jobs/{name}"
+    wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
+    assert ssh(cluster, 1, f"AGENT=$(cat /tmp/fsdp-job-{job_id}.agent) && {fault}").stdout.split()
+    faulted_at = time.monotonic()
+    last_step = len(steps(job_dir / "metrics.jsonl"))
+    recovery_s = _seconds_to_the_first_step_again(job_dir, faulted_at, last_step)
+    print(f"{what}: {recovery_s:.1f} s from the fault to a resumed step")
+    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, f"{name}'s completion")
+    assert row["last_step"] == 60 and row["status"] == "completed 0"
+    return job_id, job_dir, (job_dir / f"slurm-{job_id}.out").read_text()
+
+
 def test_killed_workers_are_retried_in_the_allocation_and_finish_from_the_checkpoint(cluster):
     """Node 1's workers killed: the step fails, both nodes pass their health check, and the batch
     script starts the step again at once in the same allocation (no requeue, so no wait of Slurm's
     requeue delay); it resumes from the last checkpoint with the uninterrupted run's losses."""
-    # a record per step (the default log interval of 10 would leave the steps after the last flush
-    # unlogged when the workers are killed)
-    job_id = train(cluster, *KILL_RUN, "--name", "tiny-kill")
-    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-kill"
-    wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
-    killed = ssh(cluster, 1, f"pids=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent)) && kill -KILL $pids && "
-                 "echo $pids").stdout.split()
-    killed_at = time.monotonic()
-    assert killed
-    last_step = len(steps(job_dir / "metrics.jsonl"))
-    recovery_s = _seconds_to_the_first_step_again(job_dir, killed_at, last_step)
-    print(f"recovery in the allocation: {recovery_s:.1f} s from the kill to a resumed step")
-    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the retried job")
-    assert row["last_step"] == 60 and row["status"] == "completed 0"
-    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    job_id, job_dir, log = _fault_after_step_12(
+        cluster, "tiny-kill", "pids=$(pgrep -P $AGENT) && kill -KILL $pids && echo $pids",
+        "recovery in the allocation")
     retried = "retried in this allocation (run 0 attempt 1, failed step 1 of at most 3 retried)"
     assert retried in log, log[-3000:]
     assert "requeued" not in log and f"job {job_id} run 1 on" not in log
@@ -282,19 +288,9 @@ def test_a_frozen_rank_is_ended_by_the_job_watcher_and_the_job_resumes_with_the_
     """A worker on node 1 stopped (SIGSTOP): every rank waits for it and no metrics come. The job
     watcher on the controller (recovery.stall_min_s 15 in this module's spec) ends the step with the
     reason, and the job resumes from its last checkpoint with the uninterrupted run's losses."""
-    job_id = train(cluster, *KILL_RUN, "--name", "tiny-frozen")
-    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-frozen"
-    wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
-    frozen = ssh(cluster, 1, f"pid=$(pgrep -P $(cat /tmp/fsdp-job-{job_id}.agent) | head -n 1) && "
-                 "kill -STOP $pid && echo $pid").stdout.strip()
-    frozen_at = time.monotonic()
-    assert frozen
-    last_step = len(steps(job_dir / "metrics.jsonl"))
-    recovery_s = _seconds_to_the_first_step_again(job_dir, frozen_at, last_step)
-    print(f"frozen rank: {recovery_s:.1f} s from the SIGSTOP to a resumed step (stall limit 15 s)")
-    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, "the resumed job")
-    assert row["last_step"] == 60 and row["status"] == "completed 0"
-    log = (job_dir / f"slurm-{job_id}.out").read_text()
+    job_id, job_dir, log = _fault_after_step_12(
+        cluster, "tiny-frozen", "pid=$(pgrep -P $AGENT | head -n 1) && kill -STOP $pid && echo $pid",
+        "frozen rank (stall limit 15 s)")
     ended = re.search(r"step ended by the job watcher: no metrics for (\d+) s \(limit (\d+) s: 10 x the "
                       r"usual [\d.]+ s between writes, at least 15 s\): a rank stopped making progress", log)
     assert ended, log[-3000:]
