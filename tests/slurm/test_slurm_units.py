@@ -326,7 +326,8 @@ BATCH_STAND_INS = {
              'case "$*" in\n'
              '  *--node*) code=$(head -n 1 "$JOB_DIR/step-exits"); sed -i 1d "$JOB_DIR/step-exits"\n'
              '            exit "$code" ;;\n'
-             '  *node-health*) exit "${HEALTH_EXIT:-0}" ;;\n'
+             '  *node-health*) [ -z "${HEALTH_SIGNAL:-}" ] || kill "-$HEALTH_SIGNAL" "$PPID"\n'
+             '                exit "${HEALTH_EXIT:-0}" ;;\n'
              'esac'),
     "sinfo": "true",
     "scontrol": ('case "$2" in hostnames) echo node0; echo node1 ;; '
@@ -336,7 +337,7 @@ BATCH_STAND_INS = {
 
 
 def _run_batch(tmp_path, step_exits: list[int], *, health_exit: int = 0, failures: int = 0,
-               stalled: str | None = None) -> tuple[int, str, Path]:
+               stalled: str | None = None, signal_during_check: str = "") -> tuple[int, str, Path]:
     job = _job(job_dir=str(tmp_path / "job"))
     job_dir = Path(job.job_dir)
     job_dir.mkdir()
@@ -347,7 +348,8 @@ def _run_batch(tmp_path, step_exits: list[int], *, health_exit: int = 0, failure
     if stalled:
         (job_dir / "stalled").write_text(stalled)
     env = {**stand_in_commands(tmp_path, **BATCH_STAND_INS), "JOB_DIR": job.job_dir,
-           "HEALTH_EXIT": str(health_exit), "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[0-1]"}
+           "HEALTH_EXIT": str(health_exit), "HEALTH_SIGNAL": signal_during_check, "SLURM_JOB_ID": "41",
+           "SLURM_JOB_NODELIST": "node[0-1]"}
     proc = subprocess.run(["bash", str(job_dir / "job.sbatch")], capture_output=True, text=True, timeout=30,
                           cwd=job_dir, env=env)
     return proc.returncode, proc.stdout + proc.stderr, job_dir
@@ -387,3 +389,18 @@ def test_a_step_the_job_watcher_ended_is_logged_with_its_reason_and_retried(tmp_
     assert rc == 0, log
     assert f"step ended by the job watcher: {reason}" in log and not (job_dir / "stalled").exists()
     assert "step exit 137: retried in this allocation" in log
+
+
+@pytest.mark.parametrize(("signal_name", "rc", "status", "said"), [
+    ("USR1", slurm.REQUEUE_EXIT, "requeued 1",
+     "step exit 1, SIGUSR1 before a retry: requeued (run 0, failed step 1"),
+    ("TERM", 0, "cancelled 1", "cancelled before a retry"),
+])
+def test_a_signal_during_the_health_check_starts_no_new_attempt(tmp_path, signal_name, rc, status, said):
+    """A spot notice (USR1) or a cancel (TERM) while the nodes are checked: a step started after it
+    would never see it."""
+    code, log, job_dir = _run_batch(tmp_path, [1, 0], signal_during_check=signal_name)
+    assert (code, (job_dir / "status").read_text()) == (rc, f"{status}\n"), log
+    assert said in log
+    calls = (job_dir / "srun.log").read_text().splitlines()
+    assert sum("--node" in c for c in calls) == 1  # the failed step only: no new attempt
