@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--limit", metavar="PATTERN", help="Ansible host pattern to limit the run to")
     sp.add_argument("--extra-vars", "-e", action="append", default=[], metavar="KEY=VALUE",
                     help="extra Ansible variable (repeatable)")
+    sp.add_argument("--check", action="store_true",
+                    help="Ansible's check mode: report what would change, change nothing on the nodes")
 
     sp = cmd("inventory", "Print the cluster's Ansible inventory (usable with ansible-playbook -i).")
     sp.add_argument("--format", choices=["ini", "json"], default="ini", help="inventory format")

@@ -187,9 +187,11 @@ def stop_orphaned_playbooks(state: ClusterState, out: Out = say) -> None:
 
 
 def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, limit: str | None = None,
-                  extra_vars: dict[str, Any] | None = None,
+                  extra_vars: dict[str, Any] | None = None, check: bool = False,
                   out: Out = say) -> ConfigureResult:
-    """Run the playbook on the cluster (excluded nodes left out) and return what happened per host."""
+    """Run the playbook on the cluster (excluded nodes left out) and return what happened per host;
+    with `check`, Ansible's check mode: what would change, nothing changed on the nodes, and the run is
+    not recorded as the cluster's last configure."""
     import ansible_runner
 
     playbook = ANSIBLE_DIR / PLAYBOOK
@@ -198,13 +200,13 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
                            "directory (install fsdp-cluster from a checkout: pip install -e .)")
     stop_orphaned_playbooks(state, out)  # two playbooks at once would race on the same nodes
     inventory = write_inventory(state)
-    run_dir = state.new_run_dir("configure")
+    run_dir = state.new_run_dir("configure-check" if check else "configure")
     ansible_home = run_dir / "ansible-home"
     printer = _EventPrinter(out)
     printer.width = max([len(node.name) for node in cluster_nodes(state)] or [4])
     if isinstance(tags, list):
         tags = ",".join(tags)
-    out(f"configure: {playbook} on {state.name} (run dir {run_dir})")
+    out(f"configure{' --check' if check else ''}: {playbook} on {state.name} (run dir {run_dir})")
     with _control_dir(run_dir) as control_dir, _cancel_on_signals() as stop:
         envvars = {
             # ansible-runner starts ansible-playbook by name: the one next to this Python.
@@ -222,8 +224,8 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
             runner = ansible_runner.run(
                 private_data_dir=str(run_dir), project_dir=str(ANSIBLE_DIR), playbook=PLAYBOOK,
                 inventory=str(inventory), envvars=envvars, extravars=extra_vars or None, tags=tags or None,
-                limit=limit, quiet=True, event_handler=printer, cancel_callback=stop.is_set,
-                ident="ansible")
+                limit=limit, cmdline="--check" if check else None, quiet=True, event_handler=printer,
+                cancel_callback=stop.is_set, ident="ansible")
         finally:
             close_control_masters(control_dir)
     stats = runner.stats or {}
@@ -238,6 +240,8 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
                              hosts=dict(sorted(hosts.items())),
                              failures=[f for f in printer.failures if f.host in ended_failed],
                              results=printer.results, output_tail=_output_tail(run_dir))
+    if check:  # a preview: the nodes are as the last real configure left them
+        return result
     state.update(last_configure=ConfigureRecord(
         time=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), ok=result.ok, status=result.status,
         run_dir=str(run_dir), hosts=result.hosts, failures=result.failures))
@@ -266,15 +270,16 @@ def print_summary(result: ConfigureResult, out: Out = say) -> None:
 
 
 def configure(cluster: str | None = None, *, tags: str | list[str] | None = None, limit: str | None = None,
-              extra_vars: Mapping[str, Any] | None = None) -> ConfigureResult:
+              extra_vars: Mapping[str, Any] | None = None, check: bool = False) -> ConfigureResult:
     """Run ansible/site.yml on the cluster's nodes (default: the cluster brought up last), printing a
-    line per task result and a recap per host; `tags` and `limit` as ansible-playbook's. Raises
+    line per task result and a recap per host; `tags` and `limit` as ansible-playbook's; `check`:
+    Ansible's check mode, a preview that reports what would change and changes nothing. Raises
     CommandError when the playbook fails (the run is idempotent: run it again after the fix) and
     Interrupted when Ctrl-C or SIGTERM cancels it."""
     line_buffered()
     with state_mod.cluster_operation(cluster, "configure") as (state, record, spec), \
             nodes_held_up(record, spec, say, what="configure"):
-        result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}))
+        result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}), check=check)
     print_summary(result)
     if result.canceled:
         raise Interrupted(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` "
@@ -288,10 +293,16 @@ def configure(cluster: str | None = None, *, tags: str | list[str] | None = None
                 f"{result.output_tail}")
         raise CommandError(f"the playbook failed; fix the cause and run `fsdpctl configure` again (it is "
                            f"idempotent). Full log: {result.run_dir / 'artifacts'}")
-    say(f"configure ok on {len(result.hosts)} host(s)")
+    if check:
+        would = sum(s.changed for s in result.hosts.values())
+        say(f"configure --check ok on {len(result.hosts)} host(s): {would} task result(s) would change; "
+            "nothing was changed (run `fsdpctl configure` to apply)")
+    else:
+        say(f"configure ok on {len(result.hosts)} host(s)")
     return result
 
 
 def cmd_configure(args: Namespace) -> int:
-    configure(args.cluster, tags=args.tags, limit=args.limit, extra_vars=parse_extra_vars(args.extra_vars))
+    configure(args.cluster, tags=args.tags, limit=args.limit, extra_vars=parse_extra_vars(args.extra_vars),
+              check=args.check)
     return EXIT_OK

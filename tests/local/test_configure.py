@@ -175,3 +175,25 @@ def test_a_limit_that_matches_no_node_is_an_error(first_run, cluster):
     result = fsdpctl(cluster, "configure", "--limit", "no-such-node", check=False)
     assert result.returncode == 2  # a usage error: nothing to run on
     assert "--limit 'no-such-node' names none of the cluster's nodes" in result.stderr
+
+
+def test_check_mode_reports_what_would_change_and_changes_nothing(first_run, cluster, state):
+    """`fsdpctl configure --check`: Ansible's check mode. A lower MTU would change the network role's
+    settings, but the nodes keep 9000 and the cluster's last configure stays the real one; on nodes
+    already configured, a check of the whole playbook would change nothing."""
+    last = state.read().last_configure
+    result = fsdpctl(cluster, "configure", "--check", "--tags", "network", "-e", "fsdp_mtu=8000", check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    recap = {m[0]: tuple(map(int, m[1:])) for m in RECAP.findall(result.stdout)}
+    assert set(recap) == set(NODES) and all(changed > 0 for _, changed, *_ in recap.values()), recap
+    assert "task result(s) would change; nothing was changed" in result.stdout
+    for rank, r in remote.run_all(state, "cat /sys/class/net/eth0/mtu; "
+                                         "grep -rhs MTUBytes /etc/systemd/network/").items():
+        live, *persisted = r.stdout.split()
+        assert live == "9000" and "MTUBytes=9000" in persisted, NODES[rank]
+        assert "MTUBytes=8000" not in persisted, NODES[rank]
+    assert state.read().last_configure == last
+    whole = fsdpctl(cluster, "configure", "--check", check=False)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-2000:]
+    recap = {m[0]: tuple(map(int, m[1:])) for m in RECAP.findall(whole.stdout)}
+    assert {host: changed for host, (_, changed, *_) in recap.items()} == dict.fromkeys(NODES, 0)
