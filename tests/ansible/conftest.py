@@ -36,6 +36,9 @@ def _load(path: Path) -> dict[str, Any]:
 
 SOCKETS = 2
 """Sockets (and NUMA nodes) of every catalog type: two Intel Xeons on a p4d, two AMD EPYCs on a p5."""
+NVSWITCHES = {"A100": 6, "H100": 4, "H200": 4}
+"""NVSwitch chips on each GPU generation's 8-GPU baseboard: HGX A100 has six (second generation), HGX
+H100 and H200 four (third generation), each a PCI function of the NVIDIA vendor."""
 
 
 def _cpu_topology(root: Path, vcpus: int) -> None:
@@ -65,9 +68,8 @@ def sysfs_tree(root: Path, instance_type: str, *, ebs_volumes: int = 1) -> Path:
     facts = catalog.CATALOG[instance_type]
     _cpu_topology(root, facts.vcpus)
     pci = root / "sys/bus/pci/devices"
-    functions = [("0x10de", "0x030200")] * facts.gpus + [("0x10de", "0x068000")] * (
-        6 if facts.nvswitch else 0
-    )
+    nvswitches = NVSWITCHES[facts.gpu_model.split("-")[0]] if facts.nvswitch else 0
+    functions = [("0x10de", "0x030200")] * facts.gpus + [("0x10de", "0x068000")] * nvswitches
     functions += [("0x1d0f", "0x020000"), ("0x8086", "0x060000")]  # ENA NIC, host bridge
     for n, (vendor, pci_class) in enumerate(functions):
         dev = pci / f"0000:{n + 16:02x}:00.0"

@@ -9,12 +9,12 @@ from infra import catalog
 from tests.ansible.conftest import detect_hardware, sysfs_tree
 
 
-@pytest.mark.parametrize("instance_type", ["p4d.24xlarge", "p5.48xlarge"])
-def test_gpu_instance_hardware_matches_the_catalog(tmp_path, instance_type):
+@pytest.mark.parametrize(("instance_type", "nvswitches"), [("p4d.24xlarge", 6), ("p5.48xlarge", 4)])
+def test_gpu_instance_hardware_matches_the_catalog(tmp_path, instance_type, nvswitches):
     facts = catalog.CATALOG[instance_type]
     found = detect_hardware(sysfs_tree(tmp_path, instance_type))
     assert found["gpu_count"] == facts.gpus and len(found["gpus"]) == facts.gpus
-    assert found["nvswitch_count"] == 6
+    assert found["nvswitch_count"] == nvswitches  # HGX A100: six NVSwitch chips, HGX H100: four
     assert found["efa_count"] == facts.efa_interfaces
     assert found["efa_devices"][0] == "rdmap16s27"
     # the EBS root volume (nvme0) is not instance storage

@@ -3,11 +3,15 @@
 the local target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in and lives under tests/:
 
 - /opt/fsdp-shape: a sys/proc/run tree with the type's GPUs, NVSwitches, EFA devices and NVMe instance
-  store (held by the DLAMI's md array), read by hardware_facts through fsdp_sysfs_root;
+  store (held by the DLAMI's md array), read by hardware_facts through fsdp_sysfs_root, and the loaded
+  driver's entry for each GPU (/proc/driver/nvidia/gpus/ADDRESS/information: the type's GPU model as the
+  driver names it, its device minor); p4d.24xlarge (8 A100, 6 NVSwitches, 4 EFA) and p5.48xlarge (8 H100,
+  4 NVSwitches, 32 EFA) alike, every count from the instance catalog;
 - stand-in modprobe/modinfo answering like kmod for the type's modules (loading one makes it appear in
   /opt/fsdp-shape/sys/module, gdrdrv makes /dev/gdrdrv, and an nvidia module a driver package's DKMS built
   makes /proc/driver/nvidia/version); shared with the plain Ubuntu layer (ubuntu.py), as are the stand-in
-  nvidia-smi and nv-fabricmanager, which report the version of the package that ships them;
+  nvidia-smi and nv-fabricmanager, which report the version of the package that ships them (nvidia-smi
+  names each GPU by the model the driver's entry for it gives);
 - a stand-in nvidia-persistenced that forks like the real daemon, packaged with the unit Ubuntu and NVIDIA
   ship (static, StopWhenUnneeded, --no-persistence-mode); the stand-in nvidia-smi reports persistence
   mode from the running daemon's own flag, as the driver would, not from the unit being active;
@@ -50,6 +54,15 @@ PERSISTENCED_PIDFILE = f"{PERSISTENCED_RUN}/nvidia-persistenced.pid"
 BUILT_NVIDIA = f"{SHAPE}/built/nvidia.version"
 NCCL = "2.29.3-1+cuda12.9"  # the pin, as NVIDIA's repository versions it
 OLDER_NCCL = "2.27.7-1+cuda12.9"  # what an earlier configure with an older pin would have left
+# The GPU model as the NVIDIA driver names it (/proc/driver/nvidia/gpus/*/information, nvidia-smi's name),
+# per catalog type: not the catalog's gpu_model, which is AWS's name for the part.
+DRIVER_GPU_MODEL = {
+    "p4d.24xlarge": "NVIDIA A100-SXM4-40GB",
+    "p4de.24xlarge": "NVIDIA A100-SXM4-80GB",
+    "p5.48xlarge": "NVIDIA H100 80GB HBM3",
+    "p5e.48xlarge": "NVIDIA H200",
+    "p5en.48xlarge": "NVIDIA H200",
+}
 # The image's CUDA toolkits (runfile installs under /usr/local/cuda-X.Y): version.json's version, nvcc's build.
 IMAGE_CUDA = {"12.8": ("12.8.1", "12.8.93"), "12.9": ("12.9.1", "12.9.86"), "13.0": ("13.0.2", "13.0.88")}
 # What the DLAMI's boot does before anyone configures the node: its packages are installed (the
@@ -101,6 +114,8 @@ if [ -n "$pid" ] && [ -r /proc/"$pid"/cmdline ]; then
   case " $(tr '\\0' ' ' < /proc/"$pid"/cmdline) " in *" --no-persistence-mode "*) ;; *) pm=Enabled ;; esac
 fi
 case "$*" in
+  *--query-gpu=name*) for c in $(grep -l 0x0302 {SHAPE}/sys/bus/pci/devices/*/class 2>/dev/null); do
+    sed -n 's/^Model:[[:space:]]*//p' {SHAPE}/proc/driver/nvidia/gpus/"$(basename "$(dirname "$c")")"/information; done ;;
   *--query-gpu=driver_version*) i=0; while [ $i -lt $gpus ]; do echo {{version}}; i=$((i+1)); done ;;
   *--query-gpu=index,driver_version,persistence_mode*)
     i=0; while [ $i -lt $gpus ]; do echo "$i, {{version}}, $pm"; i=$((i+1)); done ;;
@@ -145,6 +160,12 @@ def fabricmanager(version: str) -> str:
 def nvrm_banner(version: str) -> str:
     """/proc/driver/nvidia/version of a loaded open kernel module of that version."""
     return f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build\n"
+
+
+def driver_information(model: str, address: str, minor: int) -> str:
+    """/proc/driver/nvidia/gpus/ADDRESS/information of a GPU the loaded driver numbered `minor`."""
+    return (f"Model: \t\t {model}\nBus Type: \t PCIe\nBus Location: \t {address}\n"
+            f"Device Minor: \t {minor}\nGPU Excluded:\t No\n")
 
 
 NVIDIA_SMI = nvidia_smi(DRIVER)  # the DLAMI's
@@ -325,6 +346,12 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
         (shape / f"sys/module/{module}").mkdir(parents=True)
     (shape / "proc/driver/nvidia").mkdir(parents=True)
     (shape / "proc/driver/nvidia/version").write_text(nvrm_banner(DRIVER))
+    gpus = sorted(c.parent.name for c in (shape / "sys/bus/pci/devices").glob("*/class")
+                  if c.read_text().startswith("0x0302"))
+    for minor, address in enumerate(gpus):  # the loaded driver's entry for each GPU, numbered in PCI order
+        information = shape / "proc/driver/nvidia/gpus" / address / "information"
+        information.parent.mkdir(parents=True)
+        information.write_text(driver_information(DRIVER_GPU_MODEL[instance_type], address, minor))
     # The DLAMI's repositories are unreachable from a test node: apt reads only the local one.
     (layer / "etc/apt").mkdir(parents=True, exist_ok=True)
     (layer / "etc/apt/sources.list").write_text("# shaped test node: no Debian mirror\n")

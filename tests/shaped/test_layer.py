@@ -23,13 +23,22 @@ def test_node_layer_names_the_variable_for_a_bad_value(monkeypatch, tmp_path):
             node_layer()
 
 
-def test_dlami_layer_has_the_p4d_hardware_with_links_that_resolve_inside_the_node(tmp_path):
-    layer = dlami.build_layer(tmp_path / "layer", "p4d.24xlarge", tmp_path)
+@pytest.mark.parametrize(
+    ("instance_type", "nvswitches", "efas", "model"),
+    [("p4d.24xlarge", 6, 4, "NVIDIA A100-SXM4-40GB"), ("p5.48xlarge", 4, 32, "NVIDIA H100 80GB HBM3")],
+)
+def test_dlami_layer_has_the_types_hardware_with_links_that_resolve_inside_the_node(
+    tmp_path, instance_type, nvswitches, efas, model
+):
+    layer = dlami.build_layer(tmp_path / "layer", instance_type, tmp_path)
     shape = layer / dlami.SHAPE.lstrip("/")
     links = [p for p in shape.rglob("*") if p.is_symlink()]
     assert links and not [p for p in links if os.path.isabs(os.readlink(p))]
     found = detect_hardware(shape)
-    assert (found["gpu_count"], found["nvswitch_count"], found["efa_count"]) == (8, 6, 4)
+    assert (found["gpu_count"], found["nvswitch_count"], found["efa_count"]) == (8, nvswitches, efas)
+    # the loaded driver names the model and numbers the GPUs (its entry for each, as on the image)
+    assert found["gpu_model"] == model
+    assert [d["file"] for d in found["gpu_devices"]] == [f"/dev/nvidia{n}" for n in range(8)]
     assert len(found["nvme_instance_store"]) == 8
     assert set(map(tuple, found["nvme_holders"].values())) == {("md127",)}
     assert found["peermem_modules"] == ["efa_nv_peermem"] and found["nvidia_kernel_module"] == "open"
