@@ -20,6 +20,7 @@ from fsdpctl import remote
 from fsdpctl.state import ClusterState, cluster_state
 from tests.local.conftest import fsdpctl, spec_file
 from tests.shaped import dlami, ubuntu
+from tests.shaped.conftest import cached_facts
 from tests.shaped.test_shaped_cluster import RECAP, check_mode_run, results
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -114,13 +115,10 @@ def configure(home: Path):
     return fsdpctl(home, "configure", "--tags", "nvidia", *EXTRA_ARGS, check=False)
 
 
-def cached_facts(home: Path, run: int) -> dict:
-    """The facts a configure run (0: the first) left for its host: ansible-runner keeps Ansible's jsonfile
-    fact cache in the run's artifacts (one file per host, the facts as a JSON payload)."""
+def run_facts(home: Path, run: int) -> dict:
+    """The facts configure run `run` (0: the first) left for the node."""
     runs = sorted((home / "reports" / NAME).glob("*-configure"))
-    (cache,) = (runs[run] / "artifacts/ansible/fact_cache").glob(f"*{NODE}")
-    stored = json.loads(cache.read_text())
-    return json.loads(stored["__payload__"]) if "__payload__" in stored else stored
+    return cached_facts(runs[run], NODE)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +205,7 @@ def test_the_roles_after_the_driver_see_its_loaded_module(cluster, first_run):
     # loaded, so gpudirect's dma-buf fall-back (open kernel module) is open to the roles that follow
     assert first_run.returncode == 0, first_run.stdout[-6000:]
     home, state = cluster
-    assert cached_facts(home, 0)["fsdp_hardware"]["nvidia_kernel_module"] == "open"
+    assert run_facts(home, 0)["fsdp_hardware"]["nvidia_kernel_module"] == "open"
     banner = remote.run(state, 0, f"cat {dlami.SHAPE}/proc/driver/nvidia/version").stdout
     assert banner == dlami.nvrm_banner(ubuntu.UPSTREAM)
 
