@@ -3,10 +3,35 @@ node layer built here (dlami.py). Needs what the local-target tests need (root, 
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.local.conftest import prerequisites  # noqa: F401 (a fixture the tests here use)
+import pytest
+
+from fsdpctl import remote
+from fsdpctl.state import ClusterState, cluster_state
+from tests.local.conftest import (
+    fsdpctl,
+    prerequisites,  # noqa: F401 (a fixture the tests here use)
+)
+
+
+@contextlib.contextmanager
+def shaped_cluster(home: Path, name: str, spec: Path, layer: Path,
+                   bake: str) -> Iterator[tuple[Path, ClusterState]]:
+    """`fsdpctl up` of the spec with every node given the layer, then `bake` run on every node (the image
+    as it boots); (FSDPCTL_HOME, the cluster's state) with FSDPCTL_HOME set; taken down whatever happens."""
+    try:
+        fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FSDPCTL_HOME", str(home))
+            state = cluster_state(name)
+            remote.run_all(state, bake, timeout=120)
+            yield home, state
+    finally:
+        fsdpctl(home, "down", "--yes", "--cluster", name, check=False)
 
 
 def cached_facts(run_dir: Path, host: str) -> dict:

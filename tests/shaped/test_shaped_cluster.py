@@ -20,9 +20,10 @@ import pytest
 
 from fsdpctl import remote
 from fsdpctl.inventory import write_inventory
-from fsdpctl.state import ClusterState, cluster_state
+from fsdpctl.state import ClusterState
 from tests.local.conftest import REPO, fsdpctl, spec_file
 from tests.shaped import dlami
+from tests.shaped.conftest import shaped_cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -67,16 +68,8 @@ def cluster(prerequisites, tmp_path_factory):
     layer = dlami.build_layer(work / "layer", "p4d.24xlarge", work)
     home = tmp_path_factory.mktemp("home")
     spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, local={"subnet_cidr": SUBNET})
-    env = {"FSDPCTL_LOCAL_NODE_LAYER": str(layer)}
-    try:
-        fsdpctl(home, "up", str(spec), "--target", "local", env=env)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("FSDPCTL_HOME", str(home))
-            state = cluster_state(NAME)
-            remote.run_all(state, dlami.BAKE, timeout=120)  # the image as the DLAMI boots it
-            yield home, state
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
+    with shaped_cluster(home, NAME, spec, layer, dlami.BAKE) as home_and_state:
+        yield home_and_state
 
 
 def check_mode_run(

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from fsdpctl import remote
-from fsdpctl.state import cluster_state
 from tests.local.conftest import fsdpctl, spec_file
 from tests.shaped import dlami
-from tests.shaped.conftest import cached_facts
+from tests.shaped.conftest import cached_facts, shaped_cluster
 from tests.shaped.test_shaped_cluster import CONFIGURED_ROLES, EXTRA_ARGS, RECAP, results
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -45,15 +44,8 @@ def cluster(prerequisites, tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, node_count=1, local={"subnet_cidr": SUBNET},
                      instance_type=INSTANCE_TYPE)
-    try:
-        fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("FSDPCTL_HOME", str(home))
-            state = cluster_state(NAME)
-            remote.run_all(state, dlami.BAKE, timeout=120)  # the image as the DLAMI boots it
-            yield home, state
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
+    with shaped_cluster(home, NAME, spec, layer, dlami.BAKE) as home_and_state:
+        yield home_and_state
 
 
 def configure(cluster) -> ConfigureRun:

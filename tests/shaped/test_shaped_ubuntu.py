@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from fsdpctl import remote
-from fsdpctl.state import ClusterState, cluster_state
+from fsdpctl.state import ClusterState
 from tests.local.conftest import fsdpctl, spec_file
 from tests.shaped import dlami, ubuntu
-from tests.shaped.conftest import cached_facts
+from tests.shaped.conftest import cached_facts, shaped_cluster
 from tests.shaped.test_shaped_cluster import RECAP, check_mode_run, results
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -100,15 +100,8 @@ def cluster(prerequisites, tmp_path_factory):
         local={"subnet_cidr": SUBNET},
         software={"nvidia_driver_branch": ubuntu.BRANCH},
     )
-    try:
-        fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("FSDPCTL_HOME", str(home))
-            state = cluster_state(NAME)
-            remote.run_all(state, ubuntu.BAKE, timeout=120)  # the image as it boots
-            yield home, state
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
+    with shaped_cluster(home, NAME, spec, layer, ubuntu.BAKE) as home_and_state:
+        yield home_and_state
 
 
 def configure(home: Path):
