@@ -1,5 +1,7 @@
 """The real playbook on two real local nodes through `fsdpctl configure`, checked from outside over SSH;
-then idempotence (a second run changes nothing) and a failing task named with its host."""
+each node then reaches the other over SSH by name and by address with the intra-cluster key, without a
+prompt (what mpirun needs); then idempotence (a second run changes nothing) and a failing task named with
+its host."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ NAME = "lnt-conf"
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 ADDRESSES = ["198.18.1.2", "198.18.1.3"]
 GPU_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect")
+# BatchMode: fail instead of asking for a password or a host-key confirmation
+NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 RECAP = re.compile(r"^(\S+) ok=(\d+) changed=(\d+) failed=(\d+) skipped=(\d+)", re.MULTILINE)
 
 
@@ -118,6 +122,22 @@ def test_gpu_roles_report_skipped_not_ok(first_run, state):
         assert not statuses & {"changed", "failed"}, (role, lines)
         skip_lines = [line for line in lines if " : Skip " in line]
         assert skip_lines and all(line.split()[0] == "skipped" for line in skip_lines), (role, lines)
+
+
+def test_nodes_reach_each_other_by_name_and_address_without_a_prompt(first_run, state):
+    for rank, peer in ((0, 1), (1, 0)):
+        for target in (NODES[peer], ADDRESSES[peer]):
+            r = remote.run(state, rank, f"{NODE_SSH} {target} hostname", check=False, timeout=60)
+            assert r.returncode == 0, (NODES[rank], target, r.stdout + r.stderr)
+            assert r.stdout.strip() == NODES[peer]
+
+
+def test_every_node_holds_the_same_private_key_readable_by_its_owner_only(first_run, state):
+    answers = remote.run_all(state, "stat -c %a ~/.ssh/id_fsdp_cluster && sha256sum < ~/.ssh/id_fsdp_cluster")
+    modes = {rank: r.stdout.split()[0] for rank, r in answers.items()}
+    digests = {r.stdout.split()[1] for r in answers.values()}
+    assert modes == {0: "600", 1: "600"}
+    assert len(digests) == 1
 
 
 def test_second_configure_changes_nothing(first_run, state):
