@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import tarfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from infra import catalog
@@ -157,6 +158,54 @@ def fabricmanager(version: str) -> str:
     return FABRICMANAGER_TEMPLATE.format(version=version)
 
 
+def fi_info(version: str) -> str:
+    """The stand-in fi_info of a libfabric-aws-bin package of that version (e.g. 2.4.0amzn1.0)."""
+    return FI_INFO_TEMPLATE.format(version=version, api=".".join(version.split(".")[:2]), shape=SHAPE)
+
+
+@dataclass(frozen=True)
+class EfaRelease:
+    """An EFA installer release and the versions of the packages it installs (as its record names them)."""
+
+    installer: str
+    libfabric: str  # libfabric1-aws and libfabric-aws-bin, e.g. 2.4.0amzn1.0
+    openmpi40: str
+    ofi_nccl: str  # libnccl-ofi (aws-ofi-nccl)
+    peermem: str  # efa-nv-peermem
+    profile: str  # efa-profile
+
+
+def efa_packages(release: EfaRelease, elves: dict[str, Path]) -> list[tuple[str, str, dict[str, bytes | Path], str]]:
+    """(name, version, files, Depends) of what the EFA installer installs, laid out as its packages install it:
+    libfabric and fi_info under /opt/amazon/efa (efa-profile's /etc/ld.so.conf.d/000_efa.conf lists its
+    lib), Open MPI under /opt/amazon/openmpi, aws-ofi-nccl under /opt/amazon/ofi-nccl with its own
+    /etc/ld.so.conf.d/100_ofinccl.conf."""
+    ofi_lib = "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu"
+    libfabric_upstream = release.libfabric.split("amzn")[0]
+    return [
+        ("libfabric1-aws", release.libfabric, {"/opt/amazon/efa/lib/libfabric.so.1": elves["libfabric.so.1"]}, ""),
+        ("libfabric-aws-bin", release.libfabric, {"/opt/amazon/efa/bin/fi_info": fi_info(release.libfabric).encode()},
+         f"libfabric1-aws (= {release.libfabric})"),
+        ("efa-profile", release.profile, {"/etc/ld.so.conf.d/000_efa.conf": b"/opt/amazon/efa/lib\n",
+                                          "/etc/profile.d/zippy_efa.sh": b"PATH=$PATH:/opt/amazon/efa/bin\n"}, ""),
+        ("openmpi40-aws", release.openmpi40, {"/opt/amazon/openmpi/bin/mpirun": b"#!/bin/sh\n",
+                                              "/opt/amazon/openmpi/bin/mpicc": b"#!/bin/sh\n",
+                                              "/opt/amazon/openmpi/lib/libmpi.so.40": elves["libmpi.so.40"]}, ""),
+        ("libnccl-ofi", release.ofi_nccl, {f"{ofi_lib}/libnccl-net-ofi.so": elves["libnccl-net-ofi.so"],
+                                           "/etc/ld.so.conf.d/100_ofinccl.conf": f"{ofi_lib}\n".encode()},
+         f"libfabric1-aws (>= {libfabric_upstream})"),
+        ("efa-nv-peermem", release.peermem,
+         {f"/usr/src/efa_nv_peermem-{release.peermem.split('-')[0]}/dkms.conf": b"PACKAGE_NAME=efa_nv_peermem\n"}, ""),
+    ]
+
+
+def efa_record(release: EfaRelease) -> str:
+    """/opt/amazon/efa_installed_packages as the installer writes it."""
+    return (f"# EFA installer version: {release.installer}\n# Debug packages installed: no\n# Packages installed:\n"
+            f"efa-nv-peermem_{release.peermem} libfabric1-aws_{release.libfabric} libfabric-aws-bin_{release.libfabric} "
+            f"efa-profile_{release.profile} openmpi40-aws_{release.openmpi40} libnccl-ofi_{release.ofi_nccl}\n")
+
+
 def nvrm_banner(version: str) -> str:
     """/proc/driver/nvidia/version of a loaded open kernel module of that version."""
     return f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {version}  Release Build\n"
@@ -169,16 +218,33 @@ def driver_information(model: str, address: str, minor: int) -> str:
 
 
 NVIDIA_SMI = nvidia_smi(DRIVER)  # the DLAMI's
-FI_INFO = f"""#!/bin/sh
-# stand-in libfabric 2.4.0amzn1.0 fi_info: one efa RDM domain per EFA device; with -c FI_HMEM only
-# when GPU memory can be registered (a peer-memory module loaded, or the open NVIDIA module: dma-buf)
-case "$*" in *--version*) printf 'fi_info: 2.4.0amzn1.0\\nlibfabric: 2.4.0amzn1.0\\nlibfabric api: 2.4\\n'; exit 0 ;; esac
-case "$*" in *FI_HMEM*)
-  ls {SHAPE}/sys/module | grep -q peermem || grep -q "Open Kernel" {SHAPE}/proc/driver/nvidia/version 2>/dev/null \\
-    || {{ echo "fi_getinfo: -61 (No data available)" >&2; exit 1; }} ;;
-esac
-for dev in $(ls {SHAPE}/sys/class/infiniband); do
-  printf 'provider: efa\\n    fabric: efa\\n    domain: %s-rdm\\n    version: 201.0\\n    type: FI_EP_RDM\\n    protocol: FI_PROTO_EFA\\n' "$dev"
+# What the DLAMI's EFA installer left (its record and packages)
+DLAMI_EFA = EfaRelease(installer="1.50.0", libfabric="2.4.0amzn1.0", openmpi40="4.1.7-1", ofi_nccl="1.18.0-1",
+                       peermem="1.2.3-1.amzn1", profile="1.7-1")
+FI_INFO_TEMPLATE = """#!/bin/sh
+# stand-in libfabric {version} fi_info: the efa provider, loaded only where the efa kernel module is, exposes
+# one RDM and one datagram domain per EFA device; -p/-t select among them; with -c FI_HMEM only when GPU
+# memory can be registered (a peer-memory module loaded, or the open NVIDIA module: dma-buf)
+nodata() {{ echo "fi_getinfo: -61 (No data available)" >&2; exit 1; }}
+provider=efa type=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --version) printf 'fi_info: {version}\\nlibfabric: {version}\\nlibfabric api: {api}\\n'; exit 0 ;;
+    -p|--provider) provider=$2; shift ;;
+    -t|--ep_type) type=$2; shift ;;
+    -c|--caps) [ "$2" = FI_HMEM ] || nodata
+      ls {shape}/sys/module | grep -q peermem || grep -q "Open Kernel" {shape}/proc/driver/nvidia/version 2>/dev/null || nodata
+      shift ;;
+  esac
+  shift
+done
+[ "$provider" = efa ] && [ -d {shape}/sys/module/efa ] || nodata
+case "$type" in ""|FI_EP_RDM|FI_EP_DGRAM) ;; *) nodata ;; esac
+for dev in $(ls {shape}/sys/class/infiniband); do
+  for ep in FI_EP_RDM:rdm FI_EP_DGRAM:dgrm; do
+    [ -z "$type" ] || [ "$type" = "${{ep%:*}}" ] || continue
+    printf 'provider: efa\\n    fabric: efa\\n    domain: %s-%s\\n    version: 201.0\\n    type: %s\\n    protocol: FI_PROTO_EFA\\n' "$dev" "${{ep#*:}}" "${{ep%:*}}"
+  done
 done
 """
 MAKE = """#!/bin/sh
@@ -242,10 +308,10 @@ def build_elves(work: Path) -> dict[str, Path]:
 # Packages --------------------------------------------------------------------------------------------
 def build_deb(out: Path, name: str, version: str, files: dict[str, bytes | Path], *, depends: str = "",
               arch: str = "amd64", modes: dict[str, int] | None = None, relations: dict[str, str] | None = None,
-              postinst: str = "") -> Path:
+              postinst: str = "", links: dict[str, str] | None = None) -> Path:
     """A Debian package built with dpkg-deb: control with the real name, version and dependencies, and the
     other relations (Provides, Conflicts, Replaces) the real one declares; `postinst` stands in for what the
-    real package's maintainer script does."""
+    real package's maintainer script does; `links` are the symbolic links it ships (path -> target)."""
     root = out / f"build-{name}"
     shutil.rmtree(root, ignore_errors=True)
     (root / "DEBIAN").mkdir(parents=True)
@@ -268,6 +334,10 @@ def build_deb(out: Path, name: str, version: str, files: dict[str, bytes | Path]
             target.write_bytes(content)
         executable = "/bin/" in path or "/sbin/" in path or target.read_bytes()[:2] == b"#!"
         target.chmod((modes or {}).get(path, 0o755 if executable else 0o644))
+    for path, link_target in (links or {}).items():
+        link = root / path.lstrip("/")
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(link_target)
     deb = out / f"{name}_{version.split(':')[-1]}_{arch}.deb"
     subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(root), str(deb)], check=True,
                    capture_output=True)
@@ -362,10 +432,7 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
         (toolkit / "bin/nvcc").chmod(0o755)
         (toolkit / "version.json").write_text(VERSION_JSON.format(version=version))
     (layer / "opt/amazon").mkdir(parents=True, exist_ok=True)
-    (layer / "opt/amazon/efa_installed_packages").write_text(
-        "# EFA installer version: 1.50.0\n# Debug packages installed: no\n# Packages installed:\n"
-        "efa-nv-peermem_1.2.3-1.amzn1 libfabric1-aws_2.4.0amzn1.0 libfabric-aws-bin_2.4.0amzn1.0 "
-        "openmpi40-aws_4.1.7-1 libnccl-ofi_1.18.0-1\n")
+    (layer / "opt/amazon/efa_installed_packages").write_text(efa_record(DLAMI_EFA))
 
     elves = build_elves(work / "elves")
     _nccl_tests_tarball(layer / NCCL_TESTS_TARBALL.lstrip("/"), elves["all_reduce_perf"])
@@ -389,18 +456,10 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
         ("gdrcopy-tests", "2.5.2", {"/usr/bin/gdrcopy_copybw": _script("#!/bin/sh\n")}, "libgdrapi (>= 2.5.2)"),
         ("gdrcopy", "2.5.2", {"/usr/share/doc/gdrcopy/README": b"stand-in\n"},
          "libgdrapi (= 2.5.2), gdrcopy-tests (= 2.5.2), gdrdrv-dkms (= 2.5.2)"),
-        ("libfabric1-aws", "2.4.0amzn1.0", {"/opt/amazon/efa/lib/libfabric.so.1": elves["libfabric.so.1"]}, ""),
-        ("libfabric-aws-bin", "2.4.0amzn1.0", {"/opt/amazon/efa/bin/fi_info": _script(FI_INFO)},
-         "libfabric1-aws (= 2.4.0amzn1.0)"),
-        ("openmpi40-aws", "4.1.7-1", {"/opt/amazon/openmpi/bin/mpirun": _script("#!/bin/sh\n"),
-                                      "/opt/amazon/openmpi/bin/mpicc": _script("#!/bin/sh\n"),
-                                      "/opt/amazon/openmpi/lib/libmpi.so.40": elves["libmpi.so.40"]}, ""),
-        ("libnccl-ofi", "1.18.0-1", {"/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu/libnccl-net-ofi.so":
-                                     elves["libnccl-net-ofi.so"]}, "libfabric1-aws (>= 2.4.0)"),
-        ("efa-nv-peermem", "1.2.3-1.amzn1", {"/usr/src/efa_nv_peermem-1.2.3/dkms.conf": b"PACKAGE_NAME=x\n"}, ""),
         ("initramfs-tools", "0.140ubuntu13.5", {"/usr/sbin/update-initramfs": _script(INITRAMFS)}, ""),
         ("cuda-keyring", "1.1-1", {"/etc/apt/sources.list.d/cuda-ubuntu2204-x86_64.list":
                                    f"deb [trusted=yes] file:{REPO} ./\n".encode()}, ""),
+        *efa_packages(DLAMI_EFA, elves),
     ]:
         build_deb(image, name, version, files, depends=depends,
                   arch="all" if name == "cuda-keyring" else "amd64")
