@@ -49,7 +49,7 @@ def test_dlami_layer_has_the_types_hardware_with_links_that_resolve_inside_the_n
 
 
 def test_plain_ubuntu_layer_has_the_hardware_and_no_nvidia_software(tmp_path):
-    layer = ubuntu.build_layer(tmp_path / "layer", "p4d.24xlarge")
+    layer = ubuntu.build_layer(tmp_path / "layer", "p4d.24xlarge", tmp_path, "node0")
     found = detect_hardware(layer / dlami.SHAPE.lstrip("/"))
     assert (found["gpu_count"], found["nvswitch_count"], found["efa_count"]) == (8, 6, 4)
     assert found["nvidia_kernel_module"] == "" and found["peermem_modules"] == []

@@ -1,10 +1,15 @@
-"""The nvidia role's install path for real on a local node shaped like a plain Ubuntu 22.04 p4d
-(tests/shaped/ubuntu.py): nothing NVIDIA installed, Ubuntu's archive the only package source. `fsdpctl
-configure --tags nvidia` installs the driver branch's `-server-open` packages, loads the module DKMS built
-(a container is never rebooted), reads the hardware again, and installs Ubuntu's Fabric Manager at exactly
-the installed `nvidia-kernel-common-<branch>-server` version; the second run changes nothing. What the play
-left for the roles after it (the hardware fact) is read from the facts ansible-runner cached for the run.
-Before any of it, check mode on the fresh node previews the install path and leaves the node as it was."""
+"""The install paths for real on a local node shaped like a plain Ubuntu 22.04 p4d (tests/shaped/ubuntu.py):
+nothing NVIDIA installed, Ubuntu's archive the only package source, the upstream downloads stand-ins in the
+layer (tests/shaped/upstream.py). `fsdpctl configure --tags nvidia,cuda,efa,storage` installs the driver
+branch's `-server-open` packages, loads the module DKMS built (a container is never rebooted), reads the
+hardware again, and installs Ubuntu's Fabric Manager at exactly the installed
+`nvidia-kernel-common-<branch>-server` version; then NVIDIA's cuda-keyring and CUDA toolkit, GDRCopy built
+from its source release into packages (whose init script loads gdrdrv and makes /dev/gdrdrv), the EFA
+installer, and the blank instance store built into a RAID0 array mounted at /scratch. The second run changes
+nothing, NVIDIA's repository listed by then (its own build of the branch's Fabric Manager sorts above
+Ubuntu's and is not taken). What the play left for the roles after it (the hardware fact) is read from the
+facts ansible-runner cached for the run. Before any of it, check mode on the fresh node previews the install
+paths and leaves the node as it was."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import pytest
 from fsdpctl import remote
 from fsdpctl.state import ClusterState
 from tests.local.conftest import fsdpctl, spec_file
-from tests.shaped import dlami, ubuntu
+from tests.shaped import dlami, ubuntu, upstream
 from tests.shaped.conftest import cached_facts, shaped_cluster
 from tests.shaped.test_shaped_cluster import RECAP, check_mode_run, results
 
@@ -32,7 +37,12 @@ EXTRA_VARS = {
     "fsdp_sysfs_root": dlami.SHAPE,  # hardware_facts reads the shaped tree
     "fsdp_offline": False,  # the stand-in archive is the node's package source
     "hardware_required": True,  # absent hardware fails, as on AWS
+    # the upstream downloads, from the layer's stand-ins (upstream.py)
+    "cuda_keyring_url": upstream.CUDA_KEYRING,
+    "cuda_gdrcopy_url": upstream.GDRCOPY_TARBALL,
+    "efa_installer_url": f"file://{upstream.EFA_TARBALL}",
 }
+TAGS = ("nvidia", "cuda", "efa", "storage")
 EXTRA_ARGS = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
 PACKAGES = "dpkg-query -W -f '${Package}=${Version} ${db:Status-Want}\\n' "
 # ansible-playbook's own output: a task's header, then a line per host result
@@ -48,16 +58,21 @@ class NodeSnapshot:
     packages: tuple[str, ...]
     holds: tuple[str, ...]
     units: tuple[str, ...]
+    files: tuple[str, ...]  # what the installers and the scratch program write, where they write it
+    block_writes: tuple[str, ...]  # the stand-in block-device tools' writing calls (mdadm, mkfs.xfs, mount)
 
 
 def snapshot(state: ClusterState) -> NodeSnapshot:
     def lines(command: str) -> tuple[str, ...]:
-        return tuple(remote.run(state, 0, command).stdout.splitlines())
+        return tuple(remote.run(state, 0, command, check=False).stdout.splitlines())
 
     return NodeSnapshot(
         packages=lines("dpkg-query -W -f '${Package}=${Version} ${db:Status-Abbrev}\\n'"),
         holds=lines("apt-mark showhold"),
         units=lines("systemctl list-unit-files --no-legend --no-pager --plain | cut -d' ' -f1"),
+        files=lines("ls -d /etc/apt/sources.list.d/* /usr/local/cuda* /opt/fsdp-cluster/src/* /opt/amazon/* "
+                    "/dev/gdrdrv /scratch 2>/dev/null"),
+        block_writes=lines(f"grep -E '^(mdadm|mkfs.xfs|mount) ' {ubuntu.BLOCK_STATE}/calls 2>/dev/null"),
     )
 
 
@@ -91,7 +106,8 @@ class CheckRun:
 
 @pytest.fixture(scope="module")
 def cluster(prerequisites, tmp_path_factory):
-    layer = ubuntu.build_layer(tmp_path_factory.mktemp("shape") / "layer", "p4d.24xlarge")
+    work = tmp_path_factory.mktemp("shape")
+    layer = ubuntu.build_layer(work / "layer", "p4d.24xlarge", work, NODE)
     home = tmp_path_factory.mktemp("home")
     spec = spec_file(
         tmp_path_factory.mktemp("spec"),
@@ -105,7 +121,7 @@ def cluster(prerequisites, tmp_path_factory):
 
 
 def configure(home: Path):
-    return fsdpctl(home, "configure", "--tags", "nvidia", *EXTRA_ARGS, check=False)
+    return fsdpctl(home, "configure", "--tags", ",".join(TAGS), *EXTRA_ARGS, check=False)
 
 
 def run_facts(home: Path, run: int) -> dict:
@@ -119,7 +135,7 @@ def check_mode(cluster) -> CheckRun:
     """`--check --tags nvidia` on the fresh node, with what the node had before and after it."""
     home, state = cluster
     before = snapshot(state)
-    run = check_mode_run(home, state, ("nvidia",), EXTRA_VARS)
+    run = check_mode_run(home, state, TAGS, EXTRA_VARS)
     return CheckRun(before=before, run=run, after=snapshot(state))
 
 
@@ -155,10 +171,24 @@ def test_check_mode_on_the_fresh_node_previews_the_install_and_changes_nothing(c
     }.items():
         assert found.get((NODE, "nvidia", task)) == statuses, (task, found.get((NODE, "nvidia", task)))
     assert "check mode installs no driver, so it cannot say which packages" in " ".join(out.split())
+    # the other install paths: previewed up to what needs the download or the unpacked tree, nothing run
+    for (role, task), statuses in {
+        ("cuda", "Install NVIDIA's repository key (cuda-keyring)"): {"changed"},
+        ("cuda", "Install the GDRCopy build dependencies"): {"changed"},
+        ("cuda", "Build the GDRCopy Debian packages"): {"skipped"},
+        # no source directory to download or unpack into (its creation is a write): reported and gone past
+        ("cuda", f"Download and unpack GDRCopy {upstream.GDRCOPY}"): {"ignored"},
+        ("efa", "Download the installer and verify its checksum"): {"ignored"},
+        ("efa", "Run the EFA installer"): {"skipped"},
+        ("storage", "Ask the scratch program what it would do"): {"ok"},
+        ("storage", "Build or mount the scratch file system"): {"skipped"},
+    }.items():
+        assert found.get((NODE, role, task)) == statuses, (role, task, found.get((NODE, role, task)))
     assert check_mode.after == check_mode.before
     assert not [p for p in check_mode.after.packages if "nvidia" in p], check_mode.after.packages
     assert check_mode.after.holds == ()
     assert "nvidia-persistenced.service" not in check_mode.after.units
+    assert check_mode.after.block_writes == ()  # nothing written to the instance store
 
 
 def test_first_run_installs_the_driver_and_loads_it_without_a_reboot(first_run):
@@ -210,3 +240,81 @@ def test_second_run_changes_nothing(second_run):
     assert set(recap) == {NODE}
     changed = [line for line in out.splitlines() if line.lstrip().startswith("changed ")]
     assert all(c == 0 for _, c, _, _ in recap.values()), changed
+
+
+def test_first_run_installs_cuda_gdrcopy_and_efa_and_builds_the_scratch_array(first_run):
+    run = first_run
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    found = results(run.stdout)
+    for (role, task), statuses in {
+        ("cuda", "Install NVIDIA's repository key (cuda-keyring)"): {"changed"},
+        ("cuda", f"Install CUDA toolkit {upstream.CUDA}"): {"changed"},
+        ("cuda", "Check the toolkit is the pinned version"): {"ok"},
+        ("cuda", "Install the GDRCopy build dependencies"): {"changed"},
+        ("cuda", f"Download and unpack GDRCopy {upstream.GDRCOPY}"): {"changed"},
+        ("cuda", "Build the GDRCopy Debian packages"): {"changed"},
+        ("cuda", "Install the GDRCopy packages"): {"changed"},
+        ("cuda", "Load the gdrdrv module"): {"skipped"},  # gdrdrv-dkms's init script loaded it
+        ("cuda", "Check the GDRCopy device exists"): {"ok"},
+        ("efa", "Download the installer and verify its checksum"): {"changed"},
+        ("efa", "Run the EFA installer"): {"changed"},
+        ("efa", "Check libfabric sees every EFA device"): {"ok"},
+        ("efa", "Check the aws-ofi-nccl plugin and Open MPI are installed"): {"ok"},
+        ("storage", "Ask the scratch program what it would do"): {"ok"},
+        ("storage", "Build or mount the scratch file system"): {"changed"},
+        ("storage", "Enable the scratch unit at boot"): {"changed"},
+    }.items():
+        assert found.get((NODE, role, task)) == statuses, (role, task, found.get((NODE, role, task)))
+
+
+def test_the_installs_left_what_the_real_ones_leave(cluster, first_run):
+    assert first_run.returncode == 0, first_run.stdout[-6000:]
+    _, state = cluster
+    packages = remote.run(state, 0, PACKAGES + " ".join(
+        ["cuda-keyring", "cuda-toolkit-12-9", "cuda-nvcc-12-9", "libgdrapi", "gdrdrv-dkms", "gdrcopy-tests",
+         "gdrcopy", "libfabric1-aws", "libnccl-ofi", "openmpi40-aws"])).stdout.split()
+    assert sorted(p for p in packages if p not in ("install", "hold")) == sorted([
+        "cuda-keyring=1.1-1", "cuda-toolkit-12-9=12.9.1-1", "cuda-nvcc-12-9=12.9.86-1",
+        "libgdrapi=2.5.1-1", "gdrdrv-dkms=2.5.1-1", "gdrcopy-tests=2.5.1-1", "gdrcopy=2.5.1-1",
+        f"libfabric1-aws={upstream.EFA.libfabric}", f"libnccl-ofi={upstream.EFA.ofi_nccl}",
+        f"openmpi40-aws={upstream.EFA.openmpi40}"])
+    script = (
+        f"cat {upstream.CUDA_SOURCES}; /usr/local/cuda-12.9/bin/nvcc --version | tail -1; "
+        f"test -d {dlami.SHAPE}/sys/module/gdrdrv && test -e /dev/gdrdrv && echo gdrdrv; "
+        "systemctl is-active gdrdrv; head -1 /opt/amazon/efa_installed_packages; "
+        "cat /etc/ld.so.conf.d/100_ofinccl.conf; ldconfig -p | grep -o '/opt/amazon/.*libnccl-net-ofi.so'; "
+        f"cat {ubuntu.BLOCK_STATE}/mounts; stat -c %a /scratch"
+    )
+    assert remote.run(state, 0, script).stdout.splitlines() == [
+        f"deb [signed-by={upstream.CUDA_KEYRING_FILE} trusted=yes] file:{upstream.NVIDIA_REPO} ./",
+        "Cuda compilation tools, release 12.9, V12.9.86",
+        "gdrdrv",
+        "active",
+        "# EFA installer version: 1.47.0",
+        "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu",
+        "/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu/libnccl-net-ofi.so",
+        "/dev/md127 /scratch",
+        "1777",
+    ]
+    # the instance store built into one RAID0 array, as the scratch program asks mdadm
+    writes = remote.run(state, 0, f"grep -E '^(mdadm|mkfs.xfs|mount) ' {ubuntu.BLOCK_STATE}/calls").stdout
+    devices = " ".join(f"/dev/nvme{n}n1" for n in range(1, 9))
+    assert writes.splitlines() == [
+        f"mdadm --create /dev/md/fsdp-scratch --level=0 --name=fsdp-scratch --raid-devices=8 {devices}",
+        "mkfs.xfs -q -L fsdp-scratch /dev/md127",
+        "mount -t xfs -o defaults,noatime /dev/md127 /scratch",
+    ]
+
+
+def test_nvidias_repository_does_not_replace_ubuntus_fabric_manager(cluster, second_run):
+    # the second run has NVIDIA's repository listed, whose nvidia-fabricmanager-535 535.183.01-1 sorts above
+    # Ubuntu's 535.183.01-0ubuntu0.22.04.1: the driver's exact version is kept
+    assert second_run.returncode == 0, second_run.stdout[-6000:]
+    _, state = cluster
+    b, v = ubuntu.BRANCH, ubuntu.VERSION
+    madison = f"apt-cache madison nvidia-fabricmanager-{b} | awk '{{print $3}}'"
+    policy = remote.run(state, 0, madison).stdout.split()
+    assert sorted(policy) == sorted([v, f"{ubuntu.UPSTREAM}-1"])
+    names = f"nvidia-fabricmanager-{b} libnvidia-nscq-{b}"
+    installed = remote.run(state, 0, PACKAGES + names).stdout.splitlines()
+    assert sorted(installed) == [f"libnvidia-nscq-{b}={v} hold", f"nvidia-fabricmanager-{b}={v} hold"]

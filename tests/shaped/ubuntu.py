@@ -14,7 +14,12 @@ target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in and lives 
 - the DKMS package's postinst stands in for `dkms install`: the modules are built for the running kernel
   (modprobe can load them from then on) and the nvidia module's version banner is kept where the stand-in
   modprobe makes /proc/driver/nvidia/version from it on loading. Until then the stand-in nvidia-smi
-  cannot reach the driver, as the real one cannot before a reboot or a modprobe.
+  cannot reach the driver, as the real one cannot before a reboot or a modprobe;
+- what the cuda and efa roles download (upstream.py): NVIDIA's cuda-keyring and its CUDA repository, GDRCopy's
+  source release, the EFA installer; and in the archive, GDRCopy's build dependencies;
+- stand-in blkid, mdadm, mkfs.xfs, mount, findmnt and udevadm first on PATH (/usr/local/sbin), the ones the
+  scratch program's tests use (tests/stand_ins.py), keeping the devices' signatures and the mount table
+  under BLOCK_STATE: the kernel has no md driver and the instance store is no block device.
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.shaped import dlami
+from tests.shaped import dlami, upstream
+from tests.stand_ins import block_device_stand_ins
 
 ARCHIVE = f"{dlami.SHAPE}/archive"  # the stand-in Ubuntu archive (a flat apt repository)
+# The stand-in block-device tools' state: each device's signatures, the mount table, their calls
+BLOCK_STATE = f"{dlami.SHAPE}/block"
 BRANCH = "535"
 UPSTREAM = "535.183.01"
 VERSION = f"{UPSTREAM}-0ubuntu0.22.04.1"  # every binary package of the source shares it
@@ -86,8 +94,9 @@ def archive_packages() -> list[tuple[str, str, dict[str, bytes], str, dict[str, 
     ]
 
 
-def build_layer(layer: Path, instance_type: str) -> Path:
-    """The whole layer for FSDPCTL_LOCAL_NODE_LAYER; returns `layer`."""
+def build_layer(layer: Path, instance_type: str, work: Path, host_name: str) -> Path:
+    """The whole layer for FSDPCTL_LOCAL_NODE_LAYER (`work`: a scratch directory for its build; `host_name`:
+    the node's, which mdadm writes into the array's members); returns `layer`."""
     shape = dlami.shape_tree(layer, instance_type, ["efa"])
     (shape / "sys/module/efa").mkdir(parents=True)  # Ubuntu's kernel has the EFA driver in-tree
     (layer / "etc/apt").mkdir(parents=True, exist_ok=True)
@@ -100,6 +109,12 @@ def build_layer(layer: Path, instance_type: str) -> Path:
     for name, version, files, depends, relations, postinst in archive_packages():
         dlami.build_deb(archive, name, version, files, depends=depends, relations=relations, postinst=postinst,
                         arch="all" if name == "dkms" else "amd64")
+    upstream.build_downloads(layer, archive, work, BRANCH, UPSTREAM)
     dlami.write_repository(archive)
+    # The kernel has no md driver and the instance store is no block device: the block-device tools are
+    # stand-ins, first on every PATH (root's, the scratch unit's), that keep the devices' state in BLOCK_STATE
+    (layer / BLOCK_STATE.lstrip("/") / "dev").mkdir(parents=True)
+    for name, body in block_device_stand_ins(Path(BLOCK_STATE), Path(dlami.SHAPE), host_name).items():
+        dlami.install_command(layer, f"usr/local/sbin/{name}", f"#!/bin/bash\n{body}\n")
     os.chmod(layer, 0o755)
     return layer
