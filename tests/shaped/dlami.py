@@ -38,10 +38,17 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
+
 from infra import catalog
 from tests.ansible.conftest import sysfs_tree
 
 SHAPE = "/opt/fsdp-shape"  # the sysfs root on the node (fsdp_sysfs_root)
+# Stand-in scripts kept as files (tests/shaped/templates). bash's ${#array[@]} would open a jinja2 comment:
+# the templates have none.
+TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
+                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                               comment_start_string="{##", comment_end_string="##}")
 REPO = f"{SHAPE}/repo"
 IMAGE_DEBS = f"{SHAPE}/image-debs"
 DRIVER = "595.71.05"
@@ -83,7 +90,6 @@ if ! grep -qx "$name" {SHAPE}/modules.available; then
   echo "modprobe: FATAL: Module $1 not found in directory /lib/modules/$(uname -r)" >&2; exit 1
 fi
 mkdir -p {SHAPE}/sys/module/"$name"
-[ "$name" = gdrdrv ] && : > /dev/gdrdrv
 # a loaded nvidia module shows its version banner in /proc/driver/nvidia/version
 if [ "$name" = nvidia ] && [ -f {BUILT_NVIDIA} ]; then
   mkdir -p {SHAPE}/proc/driver/nvidia && cp {BUILT_NVIDIA} {SHAPE}/proc/driver/nvidia/version
@@ -357,6 +363,11 @@ def write_repository(repo: Path) -> None:
     (repo / "Packages").write_text("\n".join(stanzas))
 
 
+def render(template: str, **values: str | tuple[str, ...]) -> str:
+    """A stand-in script of tests/shaped/templates, for the node's SHAPE."""
+    return TEMPLATES.get_template(template).render(shape=SHAPE, **values)
+
+
 def _script(text: str) -> bytes:
     return text.encode()
 
@@ -452,7 +463,8 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
          f"libnvidia-nscq (= {fm})"),
         ("libnvidia-nscq", fm, {"/usr/lib/x86_64-linux-gnu/libnvidia-nscq.so.2": b"\0"}, ""),
         ("libgdrapi", "2.5.2", {"/usr/lib/x86_64-linux-gnu/libgdrapi.so.2": b"\0"}, ""),
-        ("gdrdrv-dkms", "2.5.2", {"/usr/src/gdrdrv-2.5.2/dkms.conf": b"PACKAGE_NAME=gdrdrv\n"}, ""),
+        ("gdrdrv-dkms", "2.5.2", {"/usr/src/gdrdrv-2.5.2/dkms.conf": b"PACKAGE_NAME=gdrdrv\n",
+                                  "/etc/init.d/gdrdrv": _script(render("gdrdrv.init.j2"))}, ""),
         ("gdrcopy-tests", "2.5.2", {"/usr/bin/gdrcopy_copybw": _script("#!/bin/sh\n")}, "libgdrapi (>= 2.5.2)"),
         ("gdrcopy", "2.5.2", {"/usr/share/doc/gdrcopy/README": b"stand-in\n"},
          "libgdrapi (= 2.5.2), gdrcopy-tests (= 2.5.2), gdrdrv-dkms (= 2.5.2)"),

@@ -169,7 +169,9 @@ def test_first_run_goes_through_every_hardware_role(first_run):
             ("nvidia", "Check Fabric Manager matches the driver"): {"ok"},
             ("nvidia", "Start NVIDIA Fabric Manager"): {"ok"},
             ("cuda", "Check the toolkit is the pinned version"): {"ok"},
-            ("cuda", "Load the gdrdrv module"): {"changed"},
+            # the image's gdrdrv service had not run: the role starts it, which loads the module and makes
+            # /dev/gdrdrv (modprobe alone makes no device)
+            ("cuda", "Start GDRCopy's service (loads gdrdrv, makes /dev/gdrdrv)"): {"changed"},
             ("cuda", "Check the GDRCopy device exists"): {"ok"},
             ("efa", "Check libfabric sees every EFA device"): {"ok"},
             ("efa", "Check the aws-ofi-nccl plugin and Open MPI are installed"): {"ok"},

@@ -27,14 +27,8 @@ import os
 import tarfile
 from pathlib import Path
 
-import jinja2
-
 from tests.shaped import dlami
 
-# bash's ${#array[@]} would open a jinja2 comment: the templates have none
-TEMPLATES = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
-                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                               comment_start_string="{##", comment_end_string="##}")
 DOWNLOADS = f"{dlami.SHAPE}/downloads"  # what the tests pass as the roles' download URLs
 NVIDIA_REPO = f"{dlami.SHAPE}/nvidia-repo"  # the stand-in of NVIDIA's CUDA repository (flat)
 CUDA_KEYRING = f"{DOWNLOADS}/cuda-keyring_1.1-1_all.deb"
@@ -50,10 +44,6 @@ EFA_DRIVER = "2.17.2-1.amzn1"  # the installer's efa kernel driver (DKMS)
 EFA_TARBALL = f"{DOWNLOADS}/aws-efa-installer-{EFA.installer}.tar.gz"
 # The cuda role's GDRCopy build dependencies (cuda_gdrcopy_build_packages) that debuild checks
 GDRCOPY_BUILD_DEPENDS = ("build-essential", "debhelper", "devscripts", "dkms", "fakeroot", "pkg-config")
-
-
-def render(template: str, **values: str | tuple[str, ...]) -> str:
-    return TEMPLATES.get_template(template).render(shape=dlami.SHAPE, **values)
 
 
 def build_nvidia_repository(layer: Path, branch: str, upstream: str) -> None:
@@ -122,11 +112,11 @@ def build_gdrcopy_release(layer: Path) -> None:
     top = f"gdrcopy-{GDRCOPY}"
     _tarball(layer / GDRCOPY_TARBALL.lstrip("/"), {
         f"{top}/README.md": b"GDRCopy (stand-in of the source release)\n",
-        f"{top}/packages/build-deb-packages.sh": render("gdrcopy-build-deb-packages.sh.j2", version=GDRCOPY,
+        f"{top}/packages/build-deb-packages.sh": dlami.render("gdrcopy-build-deb-packages.sh.j2", version=GDRCOPY,
                                                         build_depends=GDRCOPY_BUILD_DEPENDS).encode(),
         f"{top}/packages/dkms.conf": f'PACKAGE_NAME="gdrdrv-dkms"\nPACKAGE_VERSION="{GDRCOPY}"\nBUILT_MODULE_NAME[0]="gdrdrv"\n'.encode(),
-        f"{top}/packages/dkms/gdrdrv.init": render("gdrdrv.init.j2").encode(),
-        f"{top}/packages/dkms/postinst": render("gdrdrv-dkms.postinst.j2", version=GDRCOPY).encode(),
+        f"{top}/packages/dkms/gdrdrv.init": dlami.render("gdrdrv.init.j2").encode(),
+        f"{top}/packages/dkms/postinst": dlami.render("gdrdrv-dkms.postinst.j2", version=GDRCOPY).encode(),
     })
 
 
@@ -139,7 +129,7 @@ def build_efa_installer(layer: Path, work: Path) -> None:
         dlami.build_deb(debs, name, version, files, depends=depends)
     dlami.build_deb(debs, "efa", EFA_DRIVER, {f"/usr/src/efa-{EFA_DRIVER.split('-')[0]}/dkms.conf": b"PACKAGE_NAME=efa\n"})
     members = {f"aws-efa-installer/DEBS/UBUNTU2204/x86_64/{deb.name}": deb.read_bytes() for deb in sorted(debs.glob("*.deb"))}
-    members["aws-efa-installer/efa_installer.sh"] = render("efa_installer.sh.j2", version=EFA.installer).encode()
+    members["aws-efa-installer/efa_installer.sh"] = dlami.render("efa_installer.sh.j2", version=EFA.installer).encode()
     members["aws-efa-installer/efa_installed_packages"] = dlami.efa_record(EFA).encode()
     tarball = layer / EFA_TARBALL.lstrip("/")
     _tarball(tarball, members)
