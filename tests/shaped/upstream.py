@@ -113,7 +113,7 @@ def build_gdrcopy_release(layer: Path) -> None:
     _tarball(layer / GDRCOPY_TARBALL.lstrip("/"), {
         f"{top}/README.md": b"GDRCopy (stand-in of the source release)\n",
         f"{top}/packages/build-deb-packages.sh": dlami.render("gdrcopy-build-deb-packages.sh.j2", version=GDRCOPY,
-                                                        build_depends=GDRCOPY_BUILD_DEPENDS).encode(),
+                                                              build_depends=GDRCOPY_BUILD_DEPENDS).encode(),
         f"{top}/packages/dkms.conf": f'PACKAGE_NAME="gdrdrv-dkms"\nPACKAGE_VERSION="{GDRCOPY}"\nBUILT_MODULE_NAME[0]="gdrdrv"\n'.encode(),
         f"{top}/packages/dkms/gdrdrv.init": dlami.render("gdrdrv.init.j2").encode(),
         f"{top}/packages/dkms/postinst": dlami.render("gdrdrv-dkms.postinst.j2", version=GDRCOPY).encode(),
