@@ -376,7 +376,8 @@ def _unit(description: str, command: str) -> bytes:
     return SERVICE.format(description=description, command=command).encode()
 
 
-def _nccl_tests_tarball(path: Path, binary: Path) -> None:
+def nccl_tests_tarball(path: Path, binary: Path) -> None:
+    """The nccl-tests source tarball the nccl role unpacks (nccl_tests_url), whose make copies `binary`."""
     top = f"nccl-tests-{NCCL_TESTS_VERSION}"
     build = ("#!/bin/sh\nset -e\nmkdir -p build\ncp prebuilt/all_reduce_perf build/all_reduce_perf\n")
     members = {f"{top}/Makefile": b"# stand-in: see fsdp-shape-build.sh\nall:\n",
@@ -388,6 +389,13 @@ def _nccl_tests_tarball(path: Path, binary: Path) -> None:
             info = tarfile.TarInfo(name)
             info.size, info.mode = len(data), 0o755
             tar.addfile(info, io.BytesIO(data))
+
+
+def build_nccl(repo: Path, version: str, elves: dict[str, Path]) -> None:
+    """NVIDIA's libnccl2 and libnccl-dev of `version` into the repository directory `repo`."""
+    build_deb(repo, "libnccl2", version, {"/usr/lib/x86_64-linux-gnu/libnccl.so.2": elves["libnccl.so.2"]})
+    build_deb(repo, "libnccl-dev", version, {"/usr/include/nccl.h": b"#define NCCL_MAJOR 2\n"},
+              depends=f"libnccl2 (= {version})")
 
 
 def shape_tree(layer: Path, instance_type: str, modules: list[str]) -> Path:
@@ -446,7 +454,7 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
     (layer / "opt/amazon/efa_installed_packages").write_text(efa_record(DLAMI_EFA))
 
     elves = build_elves(work / "elves")
-    _nccl_tests_tarball(layer / NCCL_TESTS_TARBALL.lstrip("/"), elves["all_reduce_perf"])
+    nccl_tests_tarball(layer / NCCL_TESTS_TARBALL.lstrip("/"), elves["all_reduce_perf"])
     image = layer / IMAGE_DEBS.lstrip("/")
     repo = layer / REPO.lstrip("/")
     image.mkdir(parents=True)
@@ -480,9 +488,7 @@ def build_layer(layer: Path, instance_type: str, work: Path) -> Path:
               {"/usr/local/cuda-12.9/bin/nvcc": _script(NVCC.format(release="12.9", build=build)),
                "/usr/local/cuda-12.9/version.json": VERSION_JSON.format(version=version).encode()})
     for nccl in (NCCL, OLDER_NCCL):
-        build_deb(repo, "libnccl2", nccl, {"/usr/lib/x86_64-linux-gnu/libnccl.so.2": elves["libnccl.so.2"]})
-        build_deb(repo, "libnccl-dev", nccl, {"/usr/include/nccl.h": b"#define NCCL_MAJOR 2\n"},
-                  depends=f"libnccl2 (= {nccl})")
+        build_nccl(repo, nccl, elves)
     write_repository(repo)
     os.chmod(layer, 0o755)
     return layer

@@ -1,11 +1,12 @@
 """The install paths for real on a local node shaped like a plain Ubuntu 22.04 p4d (tests/shaped/ubuntu.py):
 nothing NVIDIA installed, Ubuntu's archive the only package source, the upstream downloads stand-ins in the
-layer (tests/shaped/upstream.py). `fsdpctl configure --tags nvidia,cuda,efa,storage` installs the driver
+layer (tests/shaped/upstream.py). `fsdpctl configure --tags nvidia,cuda,efa,nccl,storage` installs the driver
 branch's `-server-open` packages, loads the module DKMS built (a container is never rebooted), reads the
 hardware again, and installs Ubuntu's Fabric Manager at exactly the installed
 `nvidia-kernel-common-<branch>-server` version; then NVIDIA's cuda-keyring and CUDA toolkit, GDRCopy built
 from its source release into packages (whose init script loads gdrdrv and makes /dev/gdrdrv), the EFA
-installer, and the blank instance store built into a RAID0 array mounted at /scratch. The second run changes
+installer, NCCL from NVIDIA's repository (held) with nccl-tests built against the installer's Open MPI, and
+the blank instance store built into a RAID0 array mounted at /scratch. The second run changes
 nothing, NVIDIA's repository listed by then (its own build of the branch's Fabric Manager sorts above
 Ubuntu's and is not taken). What the play left for the roles after it (the hardware fact) is read from the
 facts ansible-runner cached for the run. Before any of it, check mode on the fresh node previews the install
@@ -26,7 +27,7 @@ from fsdpctl.state import ClusterState
 from tests.local.conftest import fsdpctl, spec_file
 from tests.shaped import dlami, ubuntu, upstream
 from tests.shaped.conftest import cached_facts, shaped_cluster
-from tests.shaped.test_shaped_cluster import RECAP, check_mode_run, results
+from tests.shaped.test_shaped_cluster import INSTALL_NCCL, RECAP, check_mode_run, results
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -41,8 +42,9 @@ EXTRA_VARS = {
     "cuda_keyring_url": upstream.CUDA_KEYRING,
     "cuda_gdrcopy_url": upstream.GDRCOPY_TARBALL,
     "efa_installer_url": f"file://{upstream.EFA_TARBALL}",
+    "nccl_tests_url": dlami.NCCL_TESTS_TARBALL,
 }
-TAGS = ("nvidia", "cuda", "efa", "storage")
+TAGS = ("nvidia", "cuda", "efa", "nccl", "storage")
 EXTRA_ARGS = [a for k, v in EXTRA_VARS.items() for a in ("-e", f"{k}={json.dumps(v)}")]
 PACKAGES = "dpkg-query -W -f '${Package}=${Version} ${db:Status-Want}\\n' "
 # ansible-playbook's own output: a task's header, then a line per host result
@@ -242,7 +244,7 @@ def test_second_run_changes_nothing(second_run):
     assert all(c == 0 for _, c, _, _ in recap.values()), changed
 
 
-def test_first_run_installs_cuda_gdrcopy_and_efa_and_builds_the_scratch_array(first_run):
+def test_first_run_installs_cuda_gdrcopy_efa_and_nccl_and_builds_the_scratch_array(first_run):
     run = first_run
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     found = results(run.stdout)
@@ -261,6 +263,11 @@ def test_first_run_installs_cuda_gdrcopy_and_efa_and_builds_the_scratch_array(fi
         ("efa", "Run the EFA installer"): {"changed"},
         ("efa", "Check libfabric sees every EFA device"): {"ok"},
         ("efa", "Check the aws-ofi-nccl plugin and Open MPI are installed"): {"ok"},
+        ("nccl", INSTALL_NCCL): {"changed"},
+        ("nccl", "Hold NCCL at the installed version"): {"changed"},
+        ("nccl", "Let every process find aws-ofi-nccl and libfabric"): {"changed"},
+        ("nccl", "Build nccl-tests against the EFA installer's Open MPI"): {"changed"},
+        ("nccl", "Check all_reduce_perf finds NCCL and Open MPI at run time"): {"ok"},
         ("storage", "Ask the scratch program what it would do"): {"ok"},
         ("storage", "Build or mount the scratch file system"): {"changed"},
         ("storage", "Enable the scratch unit at boot"): {"changed"},
@@ -273,12 +280,13 @@ def test_the_installs_left_what_the_real_ones_leave(cluster, first_run):
     _, state = cluster
     packages = remote.run(state, 0, PACKAGES + " ".join(
         ["cuda-keyring", "cuda-toolkit-12-9", "cuda-nvcc-12-9", "libgdrapi", "gdrdrv-dkms", "gdrcopy-tests",
-         "gdrcopy", "libfabric1-aws", "libnccl-ofi", "openmpi40-aws"])).stdout.split()
+         "gdrcopy", "libfabric1-aws", "libnccl-ofi", "openmpi40-aws", "libnccl2", "libnccl-dev"]
+    )).stdout.split()
     assert sorted(p for p in packages if p not in ("install", "hold")) == sorted([
         "cuda-keyring=1.1-1", "cuda-toolkit-12-9=12.9.1-1", "cuda-nvcc-12-9=12.9.86-1",
         "libgdrapi=2.5.1", "gdrdrv-dkms=2.5.1", "gdrcopy-tests=2.5.1", "gdrcopy=2.5.1",
         f"libfabric1-aws={upstream.EFA.libfabric}", f"libnccl-ofi={upstream.EFA.ofi_nccl}",
-        f"openmpi40-aws={upstream.EFA.openmpi40}"])
+        f"openmpi40-aws={upstream.EFA.openmpi40}", f"libnccl2={dlami.NCCL}", f"libnccl-dev={dlami.NCCL}"])
     script = (
         f"cat {upstream.CUDA_SOURCES}; /usr/local/cuda-12.9/bin/nvcc --version | tail -1; "
         f"test -d {dlami.SHAPE}/sys/module/gdrdrv && test -e /dev/gdrdrv && echo gdrdrv; "

@@ -15,7 +15,9 @@
   packages dlami.efa_packages lays out (as the DLAMI's installer left them) and writes its record;
 - the build dependencies the cuda role installs for GDRCopy, in Ubuntu's archive: build-essential and what
   it depends on, debhelper, devscripts, fakeroot, pkg-config and the headers of the running kernel (the
-  container shares this machine's).
+  container shares this machine's); make is the stand-in that builds nccl-tests' tree;
+- NCCL (libnccl2, libnccl-dev at the pin) in NVIDIA's repository and the nccl-tests source tarball, as the
+  DLAMI layer has them (real ELF stand-ins, so ldd resolves for real).
 
 Every script is a jinja2 template under templates/."""
 
@@ -46,8 +48,9 @@ EFA_TARBALL = f"{DOWNLOADS}/aws-efa-installer-{EFA.installer}.tar.gz"
 GDRCOPY_BUILD_DEPENDS = ("build-essential", "debhelper", "devscripts", "dkms", "fakeroot", "pkg-config")
 
 
-def build_nvidia_repository(layer: Path, branch: str, upstream: str) -> None:
-    """NVIDIA's CUDA repository (its packages for this test) and the cuda-keyring package that lists it."""
+def build_nvidia_repository(layer: Path, branch: str, upstream: str, elves: dict[str, Path]) -> None:
+    """NVIDIA's CUDA repository (its packages for this test, NCCL's from the ELF stand-ins `elves`) and the
+    cuda-keyring package that lists it."""
     repo = layer / NVIDIA_REPO.lstrip("/")
     repo.mkdir(parents=True)
     release = CUDA.rsplit(".", 1)[0]
@@ -65,6 +68,7 @@ def build_nvidia_repository(layer: Path, branch: str, upstream: str) -> None:
         (f"libnvidia-nscq-{branch}", nvidia, {f"/usr/lib/x86_64-linux-gnu/libnvidia-nscq.so.{upstream}": b"\0"}, ""),
     ]:
         dlami.build_deb(repo, name, version, files, depends=depends)
+    dlami.build_nccl(repo, dlami.NCCL, elves)
     dlami.write_repository(repo)
     downloads = layer / DOWNLOADS.lstrip("/")
     downloads.mkdir(parents=True, exist_ok=True)
@@ -88,7 +92,8 @@ def build_dependencies(kernel: str) -> list[tuple[str, str, dict[str, bytes], st
         ("libc6-dev", "2.35-0ubuntu3.8", doc("libc6-dev"), "", {}),
         ("gcc", "4:11.2.0-1ubuntu1", doc("gcc"), "", {}),
         ("g++", "4:11.2.0-1ubuntu1", doc("g++"), "gcc (>= 4:11.2.0-1ubuntu1)", {}),
-        ("make", "4.3-4.1build1", doc("make"), "", {}),
+        # nccl-tests' build runs it: the stand-in builds that tree (dlami.MAKE)
+        ("make", "4.3-4.1build1", {"/usr/bin/make": dlami.MAKE.encode()}, "", {}),
         ("dpkg-dev", "1.21.1ubuntu2.3", doc("dpkg-dev"), "make", {}),
         ("debhelper", "13.6ubuntu1", doc("debhelper"), "dpkg-dev (>= 1.18.0~)", {}),
         ("devscripts", "2.22.1ubuntu1", doc("devscripts"), "dpkg-dev", {}),
@@ -120,11 +125,10 @@ def build_gdrcopy_release(layer: Path) -> None:
     })
 
 
-def build_efa_installer(layer: Path, work: Path) -> None:
+def build_efa_installer(layer: Path, work: Path, elves: dict[str, Path]) -> None:
     """The installer tarball (top directory aws-efa-installer, as AWS's) and its .sha256."""
     debs = work / "efa-debs"
     debs.mkdir(parents=True)
-    elves = dlami.build_elves(work / "elves")
     for name, version, files, depends in dlami.efa_packages(EFA, elves):
         dlami.build_deb(debs, name, version, files, depends=depends)
     dlami.build_deb(debs, "efa", EFA_DRIVER, {f"/usr/src/efa-{EFA_DRIVER.split('-')[0]}/dkms.conf": b"PACKAGE_NAME=efa\n"})
@@ -140,10 +144,12 @@ def build_efa_installer(layer: Path, work: Path) -> None:
 def build_downloads(layer: Path, archive: Path, work: Path, branch: str, upstream: str) -> None:
     """Everything above into the layer; the build dependencies into Ubuntu's archive (`archive`, whose
     repository index the caller writes)."""
-    build_nvidia_repository(layer, branch, upstream)
+    elves = dlami.build_elves(work / "elves")
+    build_nvidia_repository(layer, branch, upstream, elves)
     kernel = os.uname().release
     for name, version, files, depends, links in build_dependencies(kernel):
         dlami.build_deb(archive, name, version, files, depends=depends, links=links,
                         arch="all" if name in ("build-essential", "debhelper", "devscripts", "dpkg-dev") else "amd64")
     build_gdrcopy_release(layer)
-    build_efa_installer(layer, work)
+    build_efa_installer(layer, work, elves)
+    dlami.nccl_tests_tarball(layer / dlami.NCCL_TESTS_TARBALL.lstrip("/"), elves["all_reduce_perf"])
