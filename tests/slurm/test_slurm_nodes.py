@@ -245,10 +245,17 @@ def _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir: Path, log: s
 
 
 def _seconds_to_the_first_step_again(job_dir: Path, faulted_at: float, last_step: int) -> float:
-    """From the fault to the first record of a step the job had done already (the resumed run's)."""
+    """From the fault to the first record of a step the job had done already (the resumed run's). On a
+    timeout the error carries the job's batch log and its last step records, to show where it stopped."""
     metrics = job_dir / "metrics.jsonl"
-    wait_for(lambda: any(r["step"] <= last_step for r in steps(metrics)[last_step:]), "a resumed step",
-             timeout=300, interval=0.2)
+    try:
+        wait_for(lambda: any(r["step"] <= last_step for r in steps(metrics)[last_step:]), "a resumed step",
+                 timeout=300, interval=0.2)
+    except AssertionError as timeout:
+        logs = "\n".join(f"== {log.name}\n{log.read_text(errors='replace')[-4000:]}"
+                         for log in sorted(job_dir.glob("slurm-*.out")))
+        raise AssertionError(f"{timeout} (last step before the fault {last_step}; records now "
+                             f"{[r['step'] for r in steps(metrics)][-20:]})\n{logs}") from None
     return time.monotonic() - faulted_at
 
 
