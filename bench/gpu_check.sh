@@ -132,8 +132,12 @@ selected() {  # is step $1 to run?
 PY=${PYTHON:-python3}
 SITE=${GPU_CHECK_SITE:-/tmp/gpu-check-site}
 # What the trainer needs beyond torch, numpy and PyYAML (the GPU machine has those; see
-# shared/notes/gpu-machine.md). Never torch: a pip install must not replace a CUDA build.
-HELPER_WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions)
+# shared/notes/gpu-machine.md), with their dependencies: pydantic; tensorboardX (trainer.tracking);
+# boto3 (checkpoint.mirror_s3, trainer.hf.fetch); jinja2 and tokenizers (trainer.tokenizer); safetensors
+# (Hugging Face directories). protobuf below 7, as the project's tests run tensorboardX with. Never torch: a pip install must not replace a CUDA build.
+HELPER_WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions
+               tensorboardX "protobuf<7" packaging boto3 botocore s3transfer jmespath urllib3 python-dateutil six
+               jinja2 markupsafe tokenizers safetensors)
 # torchtitan_llama1b: torchtitan and what importing its training entry point (torchtitan/train.py) needs
 # beyond torch, numpy and triton (which comes with CUDA torch), as tested with torchtitan 0.3.0. Not
 # `datasets`: it is imported but unused on synthetic data, and with pyarrow and pandas (~70 MB) it would

@@ -70,7 +70,7 @@ class CommBytes:
             wrapped.add(id(state))
             # The comms in place are only reachable through FSDP2's parameter groups (none for a
             # unit that owns no parameters); the public setters refuse modules with several groups.
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(state):
                 module.set_custom_all_gather(_Counted(group._all_gather_comm, "all_gather", counter))
                 module.set_custom_reduce_scatter(
                     _Counted(group._reduce_scatter_comm, "reduce_scatter", counter))
@@ -86,3 +86,12 @@ class CommBytes:
         """The bytes since the last take; counting starts again from zero."""
         taken, self._bytes = self._bytes, dict.fromkeys(KINDS, 0)
         return taken
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list (`_fsdp_param_groups`) in the nodes' torch; torch 2.11,
+    which the GPU check's machine has, keeps one group or None in `_fsdp_param_group`."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    return [state._fsdp_param_group] if state._fsdp_param_group is not None else []

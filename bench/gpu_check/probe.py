@@ -18,9 +18,12 @@ import socket
 import sys
 from pathlib import Path
 
-# Modules the trainer imports beyond the standard library and torch, and the wheels that provide them
-# (bench/gpu_check.sh --fetch-wheels downloads these).
-TRAINER_MODULES = {"pydantic": "pydantic", "yaml": "PyYAML", "numpy": "numpy"}
+# Modules the trainer imports beyond the standard library and torch (`python -m trainer` imports all of
+# them at start; safetensors when it loads or exports a Hugging Face directory), and the wheels that
+# provide them (bench/gpu_check.sh --fetch-wheels downloads these and their dependencies).
+TRAINER_MODULES = {"pydantic": "pydantic", "yaml": "PyYAML", "numpy": "numpy", "tensorboardX": "tensorboardX",
+                   "boto3": "boto3", "botocore": "botocore", "jinja2": "jinja2", "tokenizers": "tokenizers",
+                   "safetensors": "safetensors"}
 
 
 def probe() -> dict:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -304,3 +305,46 @@ def test_missing_module_installs_from_wheels_only_and_refuses_when_it_cannot(tmp
     log = (tmp_path / "out" / "steps" / "setup.log").read_text()
     assert "pydantic-0.0.0-py3-none-any.whl" in log  # pip was given the carried wheel, offline
     assert not list(site.glob("torch*"))
+
+
+# What `import trainer.__main__` (what `python -m trainer` runs first) imports from outside the standard
+# library in the trainer's own modules, as top-level names; torch's own imports are not counted.
+_TRAINER_START_IMPORTS = """
+import builtins, json, sys
+real_import, seen = builtins.__import__, set()
+def spy(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and (globals or {}).get("__name__", "").split(".")[0] == "trainer":
+        seen.add(name.split(".")[0])
+    return real_import(name, globals, locals, fromlist, level)
+builtins.__import__ = spy
+import trainer.__main__
+print(json.dumps(sorted(seen - set(sys.stdlib_module_names) - {"trainer", "torch"})))
+"""
+
+
+def _canonical(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def test_the_carried_wheels_cover_every_module_the_trainer_imports_at_start():
+    """The GPU machine has torch, numpy and PyYAML; everything else `python -m trainer` imports at start
+    must be probed (probe.py's TRAINER_MODULES) and come from `--fetch-wheels` (HELPER_WHEELS). The GPU run
+    of 2026-12-05 stopped at tensorboardX, which the trainer had begun to import after the lists were made."""
+    from importlib.metadata import packages_distributions
+
+    sys.path.insert(0, str(REPO / "bench" / "gpu_check"))
+    try:
+        from probe import TRAINER_MODULES
+    finally:
+        sys.path.remove(str(REPO / "bench" / "gpu_check"))
+    imported = json.loads(subprocess.run([sys.executable, "-c", _TRAINER_START_IMPORTS], cwd=REPO, check=True,
+                                         capture_output=True, text=True).stdout)
+    assert {"pydantic", "yaml", "tensorboardX"} <= set(imported)  # the spy sees the trainer's imports
+    assert sorted(set(imported) - set(TRAINER_MODULES)) == []
+    wheels = re.search(r"^HELPER_WHEELS=\((.*?)\)", SCRIPT.read_text(), re.S | re.M).group(1)
+    carried = {_canonical(re.split(r"[<>=!~]", w.strip('"'))[0]) for w in wheels.split()}
+    on_the_machine = {"numpy", "pyyaml"}
+    providers = packages_distributions()
+    missing = {m: providers[m] for m in imported
+               if not {_canonical(d) for d in providers[m]} & (carried | on_the_machine)}
+    assert missing == {}

@@ -97,3 +97,17 @@ def test_metrics_records_and_summary_carry_the_counts(measured):
     assert summary["event"] == "summary"
     assert summary["comm_bytes_per_step"] == {kind: round((counts[0][kind] + counts[1][kind]) / 2)
                                               for kind in counts[0]}
+
+
+def test_the_groups_are_found_in_the_state_of_either_torch():
+    """The nodes' torch keeps a list of parameter groups per FSDP state; torch 2.11 (the GPU check's
+    machine, where the trainer stopped at the list on 2026-12-05) keeps one group, or None for a unit
+    without parameters."""
+    from types import SimpleNamespace
+
+    from trainer.commbytes import _param_groups
+
+    first, second = object(), object()
+    assert _param_groups(SimpleNamespace(_fsdp_param_groups=[first, second])) == [first, second]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=first)) == [first]
+    assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
