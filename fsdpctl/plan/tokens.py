@@ -43,15 +43,24 @@ class MeasuredMfu:
 
     mfu: float
     compiled: bool
+    experts: bool
+    """Measured on a mixture-of-experts model: the stand-in for configs with model.n_experts."""
     config: str
     gpu: str
     date: str
 
 
-GPU_CHECK_MFU = (MeasuredMfu(0.344, compiled=False, config="gpt-1b", gpu="one H200", date="2026-12-04"),
-                 MeasuredMfu(0.486, compiled=True, config="gpt-1b", gpu="one H200", date="2026-12-04"))
-"""gpt-1b, seq 2048, 8 x 2048 tokens per step, bf16, eager and with parallel.compile (the first row of
-docs/gpu-check.md's results; tests/fsdpctl/test_plan_tokens.py keeps the two equal)."""
+GPU_CHECK_MFU = (
+    MeasuredMfu(0.344, compiled=False, experts=False, config="gpt-1b", gpu="one H200", date="2026-12-04"),
+    MeasuredMfu(0.486, compiled=True, experts=False, config="gpt-1b", gpu="one H200", date="2026-12-04"),
+    MeasuredMfu(0.131, compiled=False, experts=True, config="gpt-oss-20b cut to 4 blocks", gpu="one H200",
+                date="2026-12-05"),
+    MeasuredMfu(0.142, compiled=True, experts=True, config="gpt-oss-20b cut to 4 blocks", gpu="one H200",
+                date="2026-12-05"))
+"""Dense: gpt-1b, seq 2048, 8 x 2048 tokens per step, bf16, eager and with parallel.compile (the first row
+of docs/gpu-check.md's results). Mixture of experts: the gpt_oss_layers step, gpt-oss-20b's widths cut to
+4 blocks, random weights, 4 x 2048 tokens, activation checkpointing (the 2026-12-05 results).
+tests/fsdpctl/test_plan_tokens.py keeps these equal to the document."""
 
 
 def parse_tokens(text: str) -> int:
@@ -143,12 +152,13 @@ class TokensNotPlanned:
     skipped: str
 
 
-def choose_mfu(config: str, compiled: bool, override: float | None) -> tuple[float, str]:
+def choose_mfu(config: str, compiled: bool, experts: bool, override: float | None) -> tuple[float, str]:
     """The MFU and where it comes from: --mfu, else the GPU check's measurement for the config's
-    compile setting, said to be a stand-in wherever it was not measured."""
+    compile setting on a model with experts or without, said to be a stand-in wherever it was not
+    measured."""
     if override is not None:
         return override, "given with --mfu"
-    measured = next(m for m in GPU_CHECK_MFU if m.compiled == compiled)
+    measured = next(m for m in GPU_CHECK_MFU if m.compiled == compiled and m.experts == experts)
     mode = "with parallel.compile" if compiled else "eager"
     model = "" if config == measured.config else ", a different model,"
     return measured.mfu, (f"measured by the GPU check on {measured.date}, docs/gpu-check.md: "
@@ -279,7 +289,7 @@ def plan_tokens(spec: ClusterSpec, spec_cost: CostEstimate, prices: PriceTable, 
         return TokensNotPlanned(tokens, f"trainer config {config} computes in fp32 (parallel.param_dtype), "
                                         "far below the dense bf16 peak the time is figured from; name a bf16 "
                                         "config with --trainer-config (the presets are bf16)")
-    mfu, mfu_source = choose_mfu(config, cfg.parallel.compile, mfu_override)
+    mfu, mfu_source = choose_mfu(config, cfg.parallel.compile, cfg.model.n_experts > 0, mfu_override)
     flops_per_token = cfg.flops_per_token()
     work = float(tokens) * flops_per_token
 

@@ -150,14 +150,37 @@ def test_without_mfu_the_gpu_checks_measurement_is_used_and_named(tmp_path, caps
         assert training["on_spec"]["hours"] == pytest.approx(hours, rel=1e-9)
 
 
+def test_a_config_with_experts_is_timed_at_the_gpu_checks_mixture_of_experts_measurement(tmp_path, capsys):
+    """A config with model.n_experts gets the MFU measured on gpt-oss's blocks, not the dense gpt-1b's."""
+    moe = {**SMALL, "model": {**SMALL["model"], "n_experts": 4, "n_active_experts": 2, "moe_ffn_dim": 32}}
+    config = write(tmp_path, "moe.yaml", moe)
+    spec = write(tmp_path, "spec.yaml", demo_data())
+    training, text = plan(capsys, spec, "--trainer-config", config, "--tokens", "1e9")
+    assert training["mfu"] == 0.131
+    assert ("measured by the GPU check on 2026-12-05, docs/gpu-check.md: gpt-oss-20b cut to 4 blocks in "
+            f"bf16, eager, on one H200; a stand-in for {config}, a different model") in training["mfu_source"]
+    assert "at 13.1% MFU" in flat(text)
+
+
 def test_the_measured_mfu_is_the_gpu_check_documents():
-    """GPU_CHECK_MFU is the first row of docs/gpu-check.md's results: bf16 eager and compiled MFU."""
-    text = (REPO / "docs" / "gpu-check.md").read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| 2026-12-04 | NVIDIA H200"))
-    cells = [cell.strip() for cell in row.strip("|").split("|")]
-    eager, compiled = (float(re.search(r"([\d.]+)%", cells[i]).group(1)) / 100 for i in (3, 4))
-    assert {(m.compiled, m.mfu, m.date, m.config) for m in GPU_CHECK_MFU} == {
-        (False, eager, cells[0], "gpt-1b"), (True, compiled, cells[0], "gpt-1b")}
+    """GPU_CHECK_MFU is docs/gpu-check.md's results: the first row's bf16 eager and compiled MFU of gpt-1b,
+    and the gpt_oss_layers rows of 2026-12-05, eager and compiled."""
+    lines = (REPO / "docs" / "gpu-check.md").read_text().splitlines()
+
+    def cells(prefix: str) -> list[str]:
+        row = next(line for line in lines if line.startswith(prefix))
+        return [cell.strip() for cell in row.strip("|").split("|")]
+
+    def percent(cell: str) -> float:
+        return float(re.search(r"([\d.]+)%", cell).group(1)) / 100
+
+    dense = cells("| 2026-12-04 | NVIDIA H200")
+    experts = percent(cells("| `gpt_oss_layers` (gpt-oss-20b, 4 blocks")[3])
+    experts_compiled = percent(cells("| the same with `GPU_CHECK_SET='parallel.compile=true'`")[3])
+    assert {(m.compiled, m.experts, m.mfu, m.date) for m in GPU_CHECK_MFU} == {
+        (False, False, percent(dense[3]), dense[0]), (True, False, percent(dense[4]), dense[0]),
+        (False, True, experts, "2026-12-05"), (True, True, experts_compiled, "2026-12-05")}
+    assert "### 2026-12-05: the Llama-3.2-1B and gpt-oss steps" in lines
 
 
 @pytest.mark.parametrize("args, message", [
@@ -256,7 +279,8 @@ def test_gpt_oss_120b_on_the_whole_catalog(capsys):
     cheapest = training["cheapest"]
     # The smallest p5 cluster that fits, at the on-demand price of the nodes and the fixed costs.
     assert cheapest["instance_type"] == "p5.48xlarge"
-    hours = 1e9 * training["flops_per_token"] / (cheapest["world_size"] * H100 * 0.344) / 3600
+    # At the MFU the GPU check measured on gpt-oss's blocks (eager: the preset does not compile).
+    hours = 1e9 * training["flops_per_token"] / (cheapest["world_size"] * H100 * 0.131) / 3600
     assert cheapest["hours"] == pytest.approx(hours, rel=1e-9)
     assert cheapest["per_hour"] > cheapest["nodes"] * 55.04
     assert all(len(line) <= 100 for line in text.splitlines())
