@@ -225,12 +225,15 @@ def test_cancelled_job_ends_without_a_requeue(cluster):
     assert "requeued" not in (job_dir / f"slurm-{job_id}.out").read_text()
 
 
+RESUMED_FROM = re.compile(r"checkpoint: resumed from \S+ \(step (\d+)\)")
+
+
 def _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir: Path, log: str) -> int:
     """The job resumed from a committed checkpoint of before the fault, redid the steps after it, and
     every step has the loss of the uninterrupted run of the same job (the first training test's): the
     resumed run is that run (data order, optimizer state, learning rate). Returns the resumed step."""
     assert "checkpoint: resumed from" in log
-    resumed = int(re.search(r"checkpoint: resumed from \S+ \(step (\d+)\)", log).group(1))
+    resumed = int(RESUMED_FROM.search(log).group(1))
     assert resumed % 5 == 0 and resumed >= 5  # a committed checkpoint from before the fault
     records = steps(job_dir / "metrics.jsonl")
     again = records[len(records) - (60 - resumed):]
@@ -244,17 +247,24 @@ def _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir: Path, log: s
     return resumed
 
 
-def _seconds_to_the_first_step_again(job_dir: Path, faulted_at: float, last_step: int) -> float:
-    """From the fault to the first record of a step the job had done already (the resumed run's). On a
+def _seconds_to_the_resumed_run(job_dir: Path, job_id: int, faulted_at: float, records_before: int) -> float:
+    """From the fault to the first step of the resumed run: the log says "checkpoint: resumed from ...
+    (step R)" and step R + 1 is recorded after the records of before the fault. (R can be the last step
+    before the fault, when a checkpoint was committed just before it: then no step is done twice.) On a
     timeout the error carries the job's batch log and its last step records, to show where it stopped."""
-    metrics = job_dir / "metrics.jsonl"
+    metrics, log = job_dir / "metrics.jsonl", job_dir / f"slurm-{job_id}.out"
+
+    def resumed_run_stepped() -> bool:
+        resumed = RESUMED_FROM.search(log.read_text(errors="replace")) if log.exists() else None
+        first = int(resumed.group(1)) + 1 if resumed else None
+        return any(r["step"] == first for r in steps(metrics)[records_before:])
+
     try:
-        wait_for(lambda: any(r["step"] <= last_step for r in steps(metrics)[last_step:]), "a resumed step",
-                 timeout=300, interval=0.2)
+        wait_for(resumed_run_stepped, "the resumed run's first step", timeout=300, interval=0.2)
     except AssertionError as timeout:
         logs = "\n".join(f"== {log.name}\n{log.read_text(errors='replace')[-4000:]}"
                          for log in sorted(job_dir.glob("slurm-*.out")))
-        raise AssertionError(f"{timeout} (last step before the fault {last_step}; records now "
+        raise AssertionError(f"{timeout} ({records_before} step records before the fault; steps now "
                              f"{[r['step'] for r in steps(metrics)][-20:]})\n{logs}") from None
     return time.monotonic() - faulted_at
 
@@ -262,15 +272,15 @@ def _seconds_to_the_first_step_again(job_dir: Path, faulted_at: float, last_step
 def _fault_after_step_12(cluster, name: str, fault: str, what: str) -> tuple[int, Path, str]:
     """Run the 60-step job `name` (a record per step: the default log interval of 10 would leave the
     steps after the last flush unlogged), run `fault` on node 1 after step 12 ($AGENT is the pid of the
-    job's torchrun there), print the seconds from the fault to the first step done again, and wait for
+    job's torchrun there), print the seconds from the fault to the resumed run's first step, and wait for
     the job to complete; (its id, its directory, its log)."""
     job_id = train(cluster, *KILL_RUN, "--name", name)
     job_dir = shared(cluster) / f"fsdp-cluster/jobs/{name}"
     wait_for(lambda: len(steps(job_dir / "metrics.jsonl")) >= 12, "step 12")
     assert ssh(cluster, 1, f"AGENT=$(cat /tmp/fsdp-job-{job_id}.agent) && {fault}").stdout.split()
     faulted_at = time.monotonic()
-    last_step = len(steps(job_dir / "metrics.jsonl"))
-    recovery_s = _seconds_to_the_first_step_again(job_dir, faulted_at, last_step)
+    records_before = len(steps(job_dir / "metrics.jsonl"))
+    recovery_s = _seconds_to_the_resumed_run(job_dir, job_id, faulted_at, records_before)
     print(f"{what}: {recovery_s:.1f} s from the fault to a resumed step")
     row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "COMPLETED" and r, f"{name}'s completion")
     assert row["last_step"] == 60 and row["status"] == "completed 0"
