@@ -250,7 +250,9 @@ class MoEFeedForward(nn.Module):
         # Sort the tokens x k assignments by expert: each expert's tokens are one contiguous run.
         expert_of = indices.reshape(-1)
         order = torch.argsort(expert_of, stable=True)
-        counts = torch.bincount(expert_of, minlength=self.n_experts)
+        # Not bincount: its output's length depends on the data, which breaks a compiled block's graph.
+        counts = torch.zeros(self.n_experts, dtype=expert_of.dtype, device=expert_of.device).scatter_add_(
+            0, expert_of, torch.ones_like(expert_of))
         token_of = order // self.top_k
         if self.expert_parallel is None:
             outputs = self.experts(flat[token_of], counts)
