@@ -25,14 +25,15 @@ declare -A STEP_INFO=(
   [collectives]="trainer.collectives over NCCL (2+ GPUs): all-reduce bus bandwidth by size"
   [hf_llama1b]="Llama-3.2-1B shape loaded from a Hugging Face directory (model.hf_dir), bf16: tokens/s, MFU"
   [torchtitan_llama1b]="torchtitan 0.3.0 on the same shape, batch and sequence: tokens/s, MFU, the ratio"
-  [gpt_oss_layers]="gpt-oss widths, a few blocks, random weights: tokens/s, MFU (active parameters), memory"
+  [gpt_oss_layers]="gpt-oss widths, a few blocks, random weights: tokens/s, MFU (active parameters), memory; grouped GEMM vs the loop"
 )
 # Seconds each step may take at most (the budget may leave less).
 # hf_llama1b includes writing the Hugging Face directory (2.5 GB) once; torchtitan_llama1b installing its
 # wheels and autotuning its FlexAttention kernels (torchtitan/models/common/attention.py: max_autotune).
-# gpt_oss_layers initialises and trains a model of 4.5 billion parameters (gpt-oss-20b's width, 4 blocks).
+# gpt_oss_layers initialises and trains a model of 4.5 billion parameters (gpt-oss-20b's width, 4 blocks),
+# then compares grouped GEMM with the loop on one block's experts (bench/gpu_check/grouped_check.py).
 declare -A STEP_TIMEOUT=([bf16]=120 [compile]=200 [fp16]=90 [resume]=150 [throughput]=150 [collectives]=90
-                         [hf_llama1b]=240 [torchtitan_llama1b]=360 [gpt_oss_layers]=240)
+                         [hf_llama1b]=240 [torchtitan_llama1b]=360 [gpt_oss_layers]=300)
 
 usage() {
   cat <<EOF
@@ -231,6 +232,8 @@ gpt_oss_commands() {  # the gpt_oss_layers commands, for the current $WORK
   GPT_OSS_SETS=(--set "model.hf_config=$GPT_OSS_CONFIG" --set data.source=synthetic --set "data.seq_len=$LLAMA_SEQ"
                 --set "training.global_batch_size=$GPT_OSS_BATCH" "${RUN_SETS[@]}")
   GPT_OSS=(--config finetune "${GPT_OSS_SETS[@]}" --steps "$N_GPT_OSS")
+  GROUPED_CHECK=(bench/gpu_check/grouped_check.py --config "$GPT_OSS_CONFIG" --device "$DEVICE"
+                 --output "$WORK/gpt_oss_layers/grouped_check.json")
 }
 FLAT_LR=(--set optim.warmup_steps=0 --set optim.min_lr_ratio=1.0 --set optim.lr=3e-4)
 # The resume step's first half runs 2 steps past its checkpoint at step K_RESUME, so that async save is
@@ -281,7 +284,8 @@ if [[ $PLAN == 1 ]]; then
         plan_line "$PY" bench/gpu_check/gpt_oss_arch.py "${GPT_OSS_MAKE[@]}"
         plan_line "$PY" -m trainer --estimate finetune "${GPT_OSS_SETS[@]}" --world-size 1 --json
         plan_line "$PY" bench/gpu_check/moe_paths.py --output "$WORK/gpt_oss_layers/moe_paths.json" \
-          -m trainer "${GPT_OSS[@]}" --metrics-file "$WORK/gpt_oss_layers/metrics.jsonl" ;;
+          -m trainer "${GPT_OSS[@]}" --metrics-file "$WORK/gpt_oss_layers/metrics.jsonl"
+        plan_line "$PY" "${GROUPED_CHECK[@]}" ;;
     esac
   done
   exit 0
@@ -561,8 +565,15 @@ step_gpt_oss_layers() {
   sub make-config "$PY" bench/gpu_check/gpt_oss_arch.py "${GPT_OSS_MAKE[@]}" || return $?
   # The estimator's figure for the same settings, beside the measured peak (the summary compares them).
   sub estimate "$PY" -m trainer --estimate finetune "${GPT_OSS_SETS[@]}" --world-size 1 --json || return $?
+  local rc=0 check_rc=0
   sub run "$PY" bench/gpu_check/moe_paths.py --output "$STEP_DIR/moe_paths.json" \
-    -m trainer "${GPT_OSS[@]}" --metrics-file "$STEP_DIR/metrics.jsonl"
+    -m trainer "${GPT_OSS[@]}" --metrics-file "$STEP_DIR/metrics.jsonl" || rc=$?
+  # Grouped GEMM against the per-expert loop at the same widths, forward and (on CUDA) backward: the run
+  # above takes grouped GEMM on unpadded runs and nothing in it compares the two. Exit status 1 is the
+  # check's verdict, in grouped_check.json, which bench/gpu_summary.py judges (it fails the step on CUDA).
+  sub grouped-check "$PY" "${GROUPED_CHECK[@]}" || check_rc=$?
+  [[ $rc == 0 && $check_rc != 1 ]] && rc=$check_rc
+  return $rc
 }
 
 # --- main ------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """bench/gpu_check.sh: its arguments, its refusal on CPU torch, and the whole CPU dry run end to end."""
 
+import importlib.util
 import json
 import os
 import re
@@ -9,6 +10,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import torch
+
+from trainer import moe
+from trainer.moe import SwiGLUExperts
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_check.sh"
@@ -132,7 +137,7 @@ def _sets(line: str) -> list[str]:
 def test_gpu_plan_trains_gpt_oss_blocks_from_the_config_it_writes(tmp_path, env, arch, layers, batch):
     result = run("--plan", "--only", "gpt_oss_layers", "--out", str(tmp_path / "o"), **env)
     assert result.returncode == 0, result.stderr
-    make, estimate, train = result.stdout.splitlines()[-3:]
+    make, estimate, train, compare = result.stdout.splitlines()[-4:]
     config = tmp_path / "o" / "steps" / "gpt_oss_layers" / "model-config.json"
     assert make.split()[1:] == ["bench/gpu_check/gpt_oss_arch.py", "--arch", arch, "--layers", layers,
                                 "--output", str(config)]  # the real widths: no --tiny
@@ -145,6 +150,9 @@ def test_gpu_plan_trains_gpt_oss_blocks_from_the_config_it_writes(tmp_path, env,
                  "distributed.device=cuda", "parallel.param_dtype=bf16", "parallel.reduce_dtype=fp32"):
         assert part in _sets(train)
     assert "--steps  20" in train
+    # Then grouped GEMM against the loop, forward and backward, at the widths of the same config.json.
+    assert compare.split()[1:] == ["bench/gpu_check/grouped_check.py", "--config", str(config), "--device",
+                                   "cuda", "--output", str(config.parent / "grouped_check.json")]
 
 
 @pytest.mark.skipif(bool(__import__("torch").version.cuda), reason="needs a CPU build of torch")
@@ -167,8 +175,9 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     """The whole check on CPU but the compile step (its CPU compile alone takes ~100 s on 2 cores;
     test_plan_selects_the_compile_step_alone covers its command)."""
     out = tmp_path / "out"
+    # Its own site: the torchtitan it installs from the checkout's .whl must not reach other tests' runs.
     result = run("--dry-run", "--skip", "compile", "--out", str(out), timeout=400,
-                 GPU_CHECK_WORK=str(tmp_path / "work"))
+                 GPU_CHECK_WORK=str(tmp_path / "work"), GPU_CHECK_SITE=str(tmp_path / "site"))
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     status = {name: s["status"] for name, s in summary["steps"].items()}
@@ -206,6 +215,9 @@ def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(tmp_path):
     assert step["architecture"]["num_hidden_layers"] == 4 and step["architecture"]["num_local_experts"] == 8
     # The loop on CPU: 5 steps x 4 blocks x (forward + its recomputation under activation checkpointing).
     assert (step["experts_path"], step["looped_calls"]) == ("loop", 40)
+    # Grouped GEMM against the loop at the tiny widths: the forward only on CPU.
+    check = step["grouped_equals_loop"]
+    assert (check["passed"], check["device"], check["backward"]) == (True, "cpu", "not on cpu")
     assert step["config"]["active_params"] < step["config"]["params"] and step["estimate_gib"] > 0
     written = json.loads((out / "steps" / "gpt_oss_layers" / "model-config.json").read_text())
     assert written["layer_types"] == ["sliding_attention", "full_attention"] * 2
@@ -258,7 +270,8 @@ def test_torchtitan_wheels_that_do_not_install_skip_the_step_with_the_reason(tmp
 
 def test_torchtitan_missing_skips_the_step_and_names_the_fix(tmp_path):
     out = tmp_path / "out"
-    result = run("--dry-run", "--only", "torchtitan_llama1b", "--out", str(out), "--wheels", str(tmp_path))
+    result = run("--dry-run", "--only", "torchtitan_llama1b", "--out", str(out), "--wheels", str(tmp_path),
+                 GPU_CHECK_SITE=str(tmp_path / "site"))
     assert result.returncode == 0, result.stdout + result.stderr
     step = json.loads((out / "summary.json").read_text())["steps"]["torchtitan_llama1b"]
     assert step["status"] == "skipped"
@@ -348,3 +361,168 @@ def test_the_carried_wheels_cover_every_module_the_trainer_imports_at_start():
     missing = {m: providers[m] for m in imported
                if not {_canonical(d) for d in providers[m]} & (carried | on_the_machine)}
     assert missing == {}
+
+
+# --- bench/gpu_check/grouped_check.py: grouped GEMM against the per-expert loop --------------------
+
+TINY_GPT_OSS = REPO / "tests" / "bench" / "data" / "cpu-dry-run" / "gpt_oss_layers" / "model-config.json"
+
+
+@pytest.fixture(scope="module")
+def grouped_check():
+    """The script as a module (registered: its dataclasses are read back through their annotations)."""
+    path = SCRIPT.parent / "gpu_check" / "grouped_check.py"
+    spec = importlib.util.spec_from_file_location("grouped_check", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["grouped_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_run_lengths_are_the_ones_grouped_gemm_is_never_padded_for(grouped_check):
+    lengths = grouped_check.run_lengths(32, 4099, seed=0)
+    assert len(lengths) == 32 and sum(lengths) == 4099
+    assert lengths[0] == lengths[-1] == 0  # offsets that start and end on a repeat
+    assert {1, 7, 24, 33} <= set(lengths[1:-1])
+    assert [n for n in lengths if n % 8] and [n for n in lengths if n % 2]
+    assert grouped_check.run_lengths(32, 4099, seed=0) == lengths  # seeded
+    assert grouped_check.run_lengths(32, 4099, seed=1) != lengths
+
+
+def _expert_outputs(counts: list[int]):
+    """The fp32 reference and the bf16 loop of SwiGLU experts at small widths on CPU."""
+
+    torch.manual_seed(0)
+    experts = SwiGLUExperts(32, 48, len(counts))
+    torch.nn.init.normal_(experts.gate_up_proj, std=32 ** -0.5)
+    torch.nn.init.normal_(experts.down_proj, std=48 ** -0.5)
+    rows = torch.randn(sum(counts), 32).bfloat16()
+    reference = experts.looped(rows.float(), torch.tensor(counts)).detach()
+    looped = experts.bfloat16().looped(rows, torch.tensor(counts)).detach()
+    return reference, looped
+
+
+def test_the_rule_passes_grouped_gemm_within_the_loops_error_and_catches_one_wrong_run(grouped_check):
+    counts = [0, 40, 1, 300, 7, 0]
+    reference, looped = _expert_outputs(counts)
+    same = grouped_check.compare("output", reference, looped, looped.clone(), counts)
+    assert same.passed and same.whole.grouped_rel == same.whole.looped_rel > 0
+    assert [p.expert for p in same.experts] == [1, 2, 3, 4]  # the parts with rows
+    # The 1-row run of expert 2 5% off: 1 of 348 rows, too little to move the whole tensor's error past the
+    # rule, caught in the expert's part.
+    wrong = looped.clone()
+    wrong[40] = 1.05 * wrong[40]
+    caught = grouped_check.compare("output", reference, looped, wrong, counts)
+    assert caught.whole.passed and not caught.passed
+    part = next(p for p in caught.experts if not p.passed)
+    assert (part.expert, part.rows) == (2, 1) and part.grouped_rel == pytest.approx(0.05, abs=0.01)
+    # A little noise over every row: beyond twice the loop's error plus 1e-3 on the whole tensor.
+    noise = torch.randn(looped.shape, generator=torch.Generator().manual_seed(1))
+    noisy = looped + 0.02 * looped.abs().mean() * noise
+    assert not grouped_check.compare("output", reference, looped, noisy.bfloat16(), counts).whole.passed
+
+
+def test_the_rule_wants_an_empty_experts_gradient_zero(grouped_check):
+    reference = torch.randn(3, 4, 5)
+    reference[0] = 0  # expert 0 got no rows: its gradient is exactly zero
+    looped = reference.bfloat16()
+    garbage = looped.clone()
+    garbage[0] = 0.01
+    check = grouped_check.compare("grad_down_proj", reference, looped, garbage, [0, 2, 9])
+    failed = [p for p in check.experts if not p.passed]
+    # Where the reference is zero the error is absolute: the norm of 20 entries of 0.01.
+    assert [(p.expert, p.rows) for p in failed] == [(0, 0)]
+    assert failed[0].grouped_rel == pytest.approx(0.01 * 20 ** 0.5, rel=1e-2)
+    assert grouped_check.compare("grad_down_proj", reference, looped, looped, [0, 2, 9]).passed
+
+
+def grouped_check_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/gpu_check/grouped_check.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_on_cpu_compares_the_forward_only_and_writes_every_number(tmp_path):
+    out = tmp_path / "grouped_check.json"
+    result = grouped_check_cli("--config", str(TINY_GPT_OSS), "--device", "cpu", "--output", str(out),
+                               "--rows", "999")
+    assert result.returncode == 0, result.stdout + result.stderr
+    check = json.loads(out.read_text())
+    assert (check["device"], check["backward"], check["passed"]) == ("cpu", "not on cpu", True)
+    assert (check["dim"], check["ffn_dim"], check["n_experts"], check["rows"]) == (64, 64, 8, 999)
+    assert [m["module"] for m in check["modules"]] == ["GptOssExperts", "SwiGLUExperts"]
+    assert [t["tensor"] for m in check["modules"] for t in m["tensors"]] == ["output", "output"]
+    parts = check["modules"][0]["tensors"][0]["experts"]
+    assert [p["rows"] for p in parts] == [n for n in check["run_lengths"] if n]
+    assert result.stdout.splitlines()[-1].startswith("grouped equals loop: passed; worst: ")
+
+
+def _wrong_backward(grouped_check, monkeypatch):
+    """`grouped` as the loop, whose backward adds 0.01 to the gradient of expert 0's weights (which got no
+    rows): what an unwritten gradient of an empty run looks like."""
+
+    class Garbage(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, weight):
+            return weight.view_as(weight)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.clone()
+            grad[0] += 0.01
+            return grad
+
+    class GarbageRuns(moe.ExpertRuns):
+        def matmul(self, rows, weight, bias=None):
+            return super().matmul(rows, Garbage.apply(weight), bias)
+
+    monkeypatch.setattr(moe.StackedExperts, "grouped",
+                        lambda self, routed, counts: self.compute(routed, GarbageRuns(counts, grouped=False)))
+
+
+def test_backward_comparison_on_cpu_with_the_loop_standing_in_for_grouped_gemm(grouped_check, monkeypatch):
+    """CPU torch has no grouped GEMM backward: with the loop in its place the backward comparison runs here,
+    passes for the loop itself and fails a gradient an empty run left wrong."""
+    widths = grouped_check.Widths.of(TINY_GPT_OSS)
+    counts = grouped_check.run_lengths(widths.n_experts, 500, seed=0)
+
+    def run():
+        return grouped_check.check_module("GptOssExperts", widths, torch.device("cpu"), counts, seed=0,
+                                          backward=True)
+
+    monkeypatch.setattr(moe.StackedExperts, "grouped", moe.StackedExperts.looped)
+    check, _ = run()
+    assert check.passed and [t.tensor for t in check.tensors] == [
+        "output", "grad_input", "grad_gate_up_proj", "grad_gate_up_proj_bias", "grad_down_proj",
+        "grad_down_proj_bias"]
+    _wrong_backward(grouped_check, monkeypatch)
+    check, found = run()
+    assert not check.passed
+    failed = [(f.tensor, f.expert) for f in found if not f.ratio <= 1]
+    assert failed == [("grad_gate_up_proj", 0), ("grad_down_proj", 0)]
+
+
+def test_a_wrong_grouped_gemm_fails_the_check_and_the_exit_status(grouped_check, monkeypatch, tmp_path):
+    """Grouped GEMM computing each run with the next expert's weights, through the script's main()."""
+    monkeypatch.setattr(moe.StackedExperts, "grouped",
+                        lambda self, routed, counts: self.looped(routed, counts.roll(1)))
+    out = tmp_path / "grouped_check.json"
+    assert grouped_check.main(["--config", str(TINY_GPT_OSS), "--device", "cpu", "--output", str(out)]) == 1
+    check = grouped_check.GroupedCheck.read(out)
+    assert not check.passed and check.failures and check.worst.ratio > 1
+    assert {f.module for f in check.failures} == {"GptOssExperts", "SwiGLUExperts"}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "tpu"], "error: argument --device: invalid choice: 'tpu'"),
+    (["--rows", "10"], "error: --rows 10 is too few: give at least 67"),
+    (["--config", "trainer/configs/hf/llama3-8b.json"],
+     "error: --config trainer/configs/hf/llama3-8b.json: num_local_experts is 0, the check needs at least 8"),
+    (["--config", "no-such.json"], "error: --config: is neither a directory, a config.json nor a bundled"),
+])
+def test_grouped_check_bad_arguments_are_one_line_naming_the_flag(tmp_path, args, message):
+    argv = {"--config": str(TINY_GPT_OSS), "--device": "cpu", "--output": str(tmp_path / "g.json")}
+    argv.update(zip(args[::2], args[1::2], strict=True))
+    result = grouped_check_cli(*[x for flag_value in argv.items() for x in flag_value])
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(message) and "--help" in result.stderr
+    assert not (tmp_path / "g.json").exists()

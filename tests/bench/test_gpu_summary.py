@@ -464,3 +464,87 @@ def test_estimate_after_a_warning_in_its_log(gs, tmp_path):
     log.write_text("error: model.hf_config: ...\n")
     assert gs.estimate_of(log) is None
     assert gs.estimate_of(tmp_path / "none.log") is None
+
+
+# --- grouped GEMM against the per-expert loop (bench/gpu_check/grouped_check.py) -------------------
+
+def test_recorded_grouped_check_passes_forward_only_on_cpu(gs, work):
+    recorded = json.loads((work / "gpt_oss_layers" / "grouped_check.json").read_text())
+    summary = gs.summarise(work)
+    step = summary["steps"]["gpt_oss_layers"]
+    assert step["status"] == "pass"
+    check = step["grouped_equals_loop"]
+    assert (check["passed"], check["device"], check["backward"]) == (True, "cpu", "not on cpu")
+    assert check["modules"] == ["GptOssExperts", "SwiGLUExperts"] and check["failures"] == []
+    # The worst of every comparison, whole tensors and each expert's part.
+    ratios = [c["ratio"] for m in recorded["modules"] for t in m["tensors"]
+              for c in [t["whole"], *t["experts"]]]
+    assert check["worst_ratio"] == max(ratios) < 1
+    assert check["run_lengths"] == recorded["run_lengths"] and 0 in check["run_lengths"]
+    assert ("grouped vs loop on cpu: equal (backward not on cpu); worst: GptOssExperts output"
+            in gs.markdown(summary))
+
+
+def _grouped_check_fails(work: Path, device: str) -> dict:
+    """The recorded check as if SwiGLUExperts' output were wrong on its first expert with rows: the part,
+    the tensor, the module and the verdict failed, the finding recorded, the command's exit status 1."""
+    path = work / "gpt_oss_layers" / "grouped_check.json"
+    check = json.loads(path.read_text())
+    check.update(device=device, backward="checked" if device == "cuda" else "not on cpu", passed=False)
+    module = check["modules"][1]
+    tensor = module["tensors"][0]
+    part = tensor["experts"][0]
+    part.update(grouped_rel=0.25, ratio=0.25 / part["allowed"], passed=False)
+    tensor["passed"] = module["passed"] = False
+    finding = {"module": module["module"], "tensor": tensor["tensor"], "expert": part["expert"],
+               **{key: part[key] for key in ("grouped_rel", "looped_rel", "allowed", "ratio")}}
+    check.update(worst=finding, failures=[finding])
+    path.write_text(json.dumps(check))
+    (work / "gpt_oss_layers" / "grouped-check.rc").write_text("1\n")
+    return part
+
+
+def test_grouped_check_that_fails_on_cuda_fails_the_step_naming_the_tensor(gs, work):
+    _as_h200(work)
+    paths = {"grouped_calls": 40, "looped_calls": 0}
+    (work / "gpt_oss_layers" / "moe_paths.json").write_text(json.dumps(paths))
+    part = _grouped_check_fails(work, "cuda")
+    summary = gs.summarise(work)
+    step = summary["steps"]["gpt_oss_layers"]
+    assert step["status"] == "fail" and not summary["ok"]
+    # The verdict, not the command's exit status 1, is the reason.
+    assert step["reason"] == (
+        f"grouped GEMM differs from the per-expert loop: SwiGLUExperts output expert {part['expert']}: "
+        f"grouped 0.25 vs loop {part['looped_rel']:.3g} (allowed {part['allowed']:.3g}, "
+        f"ratio {part['ratio']:.3g})")
+    check = step["grouped_equals_loop"]
+    assert check["passed"] is False and check["backward"] == "checked" and check["worst_ratio"] > 1
+    assert "grouped vs loop on cuda: DIFFERENT (backward checked)" in gs.markdown(summary)
+
+
+def test_grouped_check_that_fails_on_cpu_is_recorded_without_failing_the_step(gs, work):
+    _grouped_check_fails(work, "cpu")
+    step = gs.summarise(work)["steps"]["gpt_oss_layers"]
+    assert step["status"] == "pass"
+    check = step["grouped_equals_loop"]
+    assert check["passed"] is False and check["failures"][0].startswith("SwiGLUExperts output expert")
+    assert check["note"].startswith("differs on cpu (SwiGLUExperts output expert")
+    assert "not failing the step" in check["note"]
+
+
+def test_grouped_check_missing_unreadable_or_crashed_fails_the_step(gs, work):
+    step_dir = work / "gpt_oss_layers"
+    (step_dir / "grouped_check.json").write_text(json.dumps({"device": "cuda"}))
+    step = gs.summarise(work)["steps"]["gpt_oss_layers"]
+    assert step["status"] == "fail"
+    assert step["reason"].startswith("grouped_check.json is not bench/gpu_check/grouped_check.py's result: ")
+    (step_dir / "grouped_check.json").unlink()
+    step = gs.summarise(work)["steps"]["gpt_oss_layers"]
+    assert step["status"] == "fail" and "grouped_equals_loop" not in step
+    assert step["reason"] == ("no grouped_check.json from bench/gpu_check/grouped_check.py: grouped GEMM was "
+                              "not compared with the per-expert loop")
+    # Exit status 1 without its verdict file is a failed command like any other.
+    (step_dir / "grouped-check.rc").write_text("1\n")
+    (step_dir / "grouped-check.log").write_text("Traceback (most recent call last):\nRuntimeError: boom\n")
+    step = gs.summarise(work)["steps"]["gpt_oss_layers"]
+    assert step["reason"].startswith("grouped-check: exit 1 (RuntimeError: boom); no grouped_check.json")
