@@ -19,7 +19,6 @@ directories they run from, not by pids that a killed run may never have written.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import ipaddress
 import json
@@ -29,6 +28,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -39,7 +39,7 @@ from fsdpctl.processes import processes, signal_all
 from fsdpctl.remote import close_control_masters, run_all, ssh_options
 from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings, home_of
-from fsdpctl.targets.local import rootfs
+from fsdpctl.targets.local import keeper, rootfs
 from fsdpctl.targets.local.host import require_host
 from infra.spec import ClusterSpec
 
@@ -83,10 +83,6 @@ def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and result.returncode:
         raise CommandError(f"`{' '.join(argv)}` failed: {result.stderr.strip()}")
     return result
-
-
-def _link_exists(name: str) -> bool:
-    return _sh("ip", "link", "show", "dev", name, check=False).returncode == 0
 
 
 def _write(path: Path, text: str, mode: int = 0o644) -> None:
@@ -163,7 +159,7 @@ def _host_conflicts(plan: LocalRecord) -> list[str]:
             problems.append(f"host route `{line.strip()}` overlaps local.subnet_cidr {subnet}"
                             + _owner_hint(line.split()))
     problems += [f"link {name} already exists" for name in [plan.bridge, *(n.veth for n in plan.nodes)]
-                 if _link_exists(name)]
+                 if keeper.link_exists(name)]
     return problems
 
 
@@ -293,22 +289,10 @@ def node_layer() -> Path | None:
     return layer
 
 
-CLONE_NEWTIME = 0x80
-
-
-def _own_boot_clock() -> None:
-    """In the child, before it execs nspawn: a new time namespace whose boot clock reads zero now, so
-    the node's uptime starts at its boot, as a machine's does, not at the host's. Slurm takes a
-    powered-up node back only once the boot time its slurmd reports (now - uptime) is after the
-    power-up request."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWTIME):
-        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWTIME) failed")
-    seconds, nanoseconds = divmod(-time.clock_gettime_ns(time.CLOCK_BOOTTIME), 10**9)
-    Path("/proc/self/timens_offsets").write_text(f"boottime {seconds} {nanoseconds}\n")
-
-
 def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:
+    """Start the node under its keeper (keeper.py: it starts nspawn, and again after a reboot from
+    inside); returns the keeper, which ends with nspawn's status when the node ends other than by a
+    reboot."""
     argv = [
         "systemd-nspawn", "--quiet", "-D", str(node.root), "--machine", node.machine,
         f"--hostname={node.name}", "--boot",
@@ -318,12 +302,15 @@ def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:
         f"--network-veth-extra={node.veth}:eth0",
         f"--bind={plan.shared_host_dir}:{SHARED_MOUNT}",
     ]
-    with open(Path(node.dir) / "nspawn.log", "w") as log:
+    node_dir = Path(node.dir)
+    settings = node_dir / "keeper.json"
+    keeper.KeptNode(name=node.name, nspawn_argv=argv, veth=node.veth, bridge=plan.bridge, mtu=BRIDGE_MTU,
+                    log=str(node_dir / "nspawn.log"), pid_file=str(node_dir / "nspawn.pid")).write(settings)
+    (node_dir / "nspawn.pid").unlink(missing_ok=True)
+    with open(node_dir / "nspawn.log", "w") as log:
         # Its own session: a Ctrl-C at the terminal goes to fsdpctl, which then shuts nodes down in order.
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_own_boot_clock)
-    _write(Path(node.dir) / "nspawn.pid", f"{proc.pid}\n")
-    return proc
+        return subprocess.Popen([sys.executable, keeper.__file__, str(settings)], stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _node_log(node: LocalNode) -> str:
@@ -332,7 +319,7 @@ def _node_log(node: LocalNode) -> str:
 
 
 def _attach_veth(node: LocalNode, plan: LocalRecord, proc: subprocess.Popen, deadline: float) -> None:
-    while not _link_exists(node.veth):
+    while not keeper.link_exists(node.veth):
         if proc.poll() is not None:
             raise CommandError(f"{node.name}: systemd-nspawn exited {proc.returncode} while starting:\n"
                                f"{_node_log(node)}")
@@ -340,8 +327,7 @@ def _attach_veth(node: LocalNode, plan: LocalRecord, proc: subprocess.Popen, dea
             raise CommandError(f"{node.name}: its network link {node.veth} did not appear within "
                                f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}")
         time.sleep(0.05)
-    Path(f"/proc/sys/net/ipv6/conf/{node.veth}/disable_ipv6").write_text("1\n")
-    _sh("ip", "link", "set", node.veth, "mtu", str(BRIDGE_MTU), "master", plan.bridge, "up")
+    keeper.attach_link(node.veth, plan.bridge, BRIDGE_MTU)
 
 
 def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, deadline: float,
@@ -431,7 +417,7 @@ def _stop_nodes(plan: LocalRecord, progress: Out) -> list[str]:
         signal_all(list(left), signal.SIGKILL)
         _wait_gone(plan, 10)
     for node in plan.nodes:
-        if _link_exists(node.veth):
+        if keeper.link_exists(node.veth):
             _sh("ip", "link", "del", node.veth, check=False)
         if node.root.is_mount():  # nspawn's image lock is named after the mounted root's inode
             root_stat = node.root.stat()
@@ -452,9 +438,9 @@ def down(state: ClusterState, progress: Out = print) -> None:
     for control_dir in state.reports_dir.glob("*-configure*/cp"):
         close_control_masters(control_dir)
     problems = _stop_nodes(plan, progress)
-    if _link_exists(plan.bridge):
+    if keeper.link_exists(plan.bridge):
         _sh("ip", "link", "del", plan.bridge, check=False)
-    problems += [f"link {plan.bridge}"] if _link_exists(plan.bridge) else []
+    problems += [f"link {plan.bridge}"] if keeper.link_exists(plan.bridge) else []
     if problems:
         raise CommandError("local teardown left: " + "; ".join(problems) + ". Remove them by hand (or run "
                            "`fsdpctl down` again); the state is kept so `down` can retry")
@@ -468,7 +454,7 @@ def down(state: ClusterState, progress: Out = print) -> None:
 def node_leftovers(plan: LocalRecord) -> list[str]:
     """What of the plan's nodes still exists on the host (processes, links, mounts, runtime dirs)."""
     found = [f"process {pid} ({cmd[:80]})" for pid, cmd in _processes_of(plan).items()]
-    found += [f"link {n.veth}" for n in plan.nodes if _link_exists(n.veth)]
+    found += [f"link {n.veth}" for n in plan.nodes if keeper.link_exists(n.veth)]
     for node in plan.nodes:
         found += [f"mount {p}" for p in _mounts_under(str(node.root))]
         found += [str(p) for d in NSPAWN_RUNTIME_DIRS if (p := Path(d) / node.machine).exists()]
@@ -477,7 +463,7 @@ def node_leftovers(plan: LocalRecord) -> list[str]:
 
 def leftovers(plan: LocalRecord) -> list[str]:
     """What of the cluster still exists on the host, its bridge included."""
-    return node_leftovers(plan) + ([f"link {plan.bridge}"] if _link_exists(plan.bridge) else [])
+    return node_leftovers(plan) + ([f"link {plan.bridge}"] if keeper.link_exists(plan.bridge) else [])
 
 
 def replace_node(state: ClusterState, rank: int, progress: Out = print) -> None:
