@@ -18,6 +18,7 @@ import pytest
 from fsdpctl import remote
 from fsdpctl.configure import run_configure
 from fsdpctl.state import cluster_state
+from fsdpctl.targets.local import keeper
 from tests.local.conftest import REPO, fsdpctl, spec_file
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -176,7 +177,8 @@ def processes_mentioning(path: Path) -> list[str]:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             continue
-        if str(path) in cmdline and "systemd-nspawn" not in cmdline:
+        # the nodes themselves (nspawn and its keeper) stay up
+        if str(path) in cmdline and "systemd-nspawn" not in cmdline and keeper.__file__ not in cmdline:
             found.append(f"{entry}: {cmdline[:150]}")
     return found
 

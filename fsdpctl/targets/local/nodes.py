@@ -48,6 +48,8 @@ SHARED_MOUNT = "/shared"
 SSH_USER = "root"
 BOOT_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 30
+KEEPER_EXIT_S = 2
+"""How long a node's keeper may take to end after its nspawn did."""
 NSPAWN_RUNTIME_DIRS = ("/run/systemd/nspawn/propagate", "/run/systemd/nspawn/unix-export")
 NSPAWN_LOCKS_DIR = "/run/systemd/nspawn/locks"
 LAYER_ENV = "FSDPCTL_LOCAL_NODE_LAYER"
@@ -363,14 +365,15 @@ def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, dead
 
 # ---------------------------------------------------------------------------------------- teardown
 def _processes_of(plan: LocalRecord) -> dict[int, str]:
-    """Host pids of the nodes' nspawn processes (by the root directory on their command line) and of
-    their containers' init (by its container_uuid: it outlives a SIGKILLed nspawn); pid -> command."""
-    roots = [f" {n.root} " for n in plan.nodes]
+    """Host pids of the nodes' keepers and nspawn processes (by the keeper's settings file and the root
+    directory on their command lines) and of their containers' init (by its container_uuid: it
+    outlives a SIGKILLed nspawn); pid -> command."""
+    names = [f" {n.root} " for n in plan.nodes] + [f" {Path(n.dir) / 'keeper.json'} " for n in plan.nodes]
     uuids = [f"\0container_uuid={n.container_uuid}\0".encode() for n in plan.nodes]
     found = {}
     for pid, argv, environ in processes(with_environ=True):
         cmdline = " ".join(argv)
-        if any(r in f" {cmdline} " for r in roots) or any(u in b"\0" + environ for u in uuids):
+        if any(name in f" {cmdline} " for name in names) or any(u in b"\0" + environ for u in uuids):
             found[pid] = cmdline
     return found
 
@@ -411,8 +414,10 @@ def _stop_nodes(plan: LocalRecord, progress: Out) -> list[str]:
     if nspawn:
         progress(f"local: stopping {len(nspawn)} node(s)")
         _stop_in_order(plan, nspawn)
-    left = _processes_of(plan)
-    if left:  # a killed nspawn leaves its container's init behind; a stuck shutdown, everything
+    # Each keeper ends a moment after its nspawn. A killed nspawn leaves its container's init behind;
+    # a stuck shutdown, everything.
+    left = _wait_gone(plan, KEEPER_EXIT_S)
+    if left:
         progress(f"local: killing {len(left)} leftover process(es)")
         signal_all(list(left), signal.SIGKILL)
         _wait_gone(plan, 10)
