@@ -309,7 +309,9 @@ def _start_node(node: LocalNode, plan: LocalRecord) -> subprocess.Popen:
     keeper.KeptNode(name=node.name, nspawn_argv=argv, veth=node.veth, bridge=plan.bridge, mtu=BRIDGE_MTU,
                     log=str(node_dir / "nspawn.log"), pid_file=str(node_dir / "nspawn.pid")).write(settings)
     (node_dir / "nspawn.pid").unlink(missing_ok=True)
-    with open(node_dir / "nspawn.log", "w") as log:
+    log_path = node_dir / "nspawn.log"
+    log_path.write_text("")  # a new log for each start, which the keeper and every nspawn append to
+    with open(log_path, "a") as log:
         # Its own session: a Ctrl-C at the terminal goes to fsdpctl, which then shuts nodes down in order.
         return subprocess.Popen([sys.executable, keeper.__file__, str(settings)], stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
