@@ -87,13 +87,20 @@ def _start(node: KeptNode) -> subprocess.Popen:
     return nspawn
 
 
-def _reconnect(node: KeptNode, nspawn: subprocess.Popen) -> None:
-    deadline = time.monotonic() + LINK_TIMEOUT_S
-    while not link_exists(node.veth):
-        if nspawn.poll() is not None or time.monotonic() > deadline:
-            return  # the keep loop reports an exit; a node without its link is not reachable anyway
+def wait_for_link(veth: str, starter: subprocess.Popen, deadline: float) -> bool:
+    """Whether the node's link appeared; False when the process starting the node (its nspawn, or its
+    keeper) ended or the deadline (time.monotonic()) passed first."""
+    while not link_exists(veth):
+        if starter.poll() is not None or time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    attach_link(node.veth, node.bridge, node.mtu)
+    return True
+
+
+def _reconnect(node: KeptNode, nspawn: subprocess.Popen) -> None:
+    # Without its link the node is not reachable anyway; the keep loop reports an exit.
+    if wait_for_link(node.veth, nspawn, time.monotonic() + LINK_TIMEOUT_S):
+        attach_link(node.veth, node.bridge, node.mtu)
 
 
 def keep(node: KeptNode) -> int:

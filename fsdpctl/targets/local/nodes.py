@@ -323,14 +323,12 @@ def _node_log(node: LocalNode) -> str:
 
 
 def _attach_veth(node: LocalNode, plan: LocalRecord, proc: subprocess.Popen, deadline: float) -> None:
-    while not keeper.link_exists(node.veth):
+    if not keeper.wait_for_link(node.veth, proc, deadline):
         if proc.poll() is not None:
             raise CommandError(f"{node.name}: systemd-nspawn exited {proc.returncode} while starting:\n"
                                f"{_node_log(node)}")
-        if time.monotonic() > deadline:
-            raise CommandError(f"{node.name}: its network link {node.veth} did not appear within "
-                               f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}")
-        time.sleep(0.05)
+        raise CommandError(f"{node.name}: its network link {node.veth} did not appear within "
+                           f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}")
     keeper.attach_link(node.veth, plan.bridge, BRIDGE_MTU)
 
 
