@@ -37,6 +37,9 @@ def group_vars(record: ClusterRecord, spec: ClusterSpec) -> dict[str, Any]:
         "fsdp_cluster_name": spec.name,
         "fsdp_target": target,
         "fsdp_offline": target == "local",
+        # A local node is a container that its keeper starts again when it reboots, as a machine boots
+        # again (fsdpctl/targets/local/keeper.py): a role that needs a reboot may reboot it.
+        "fsdp_container_reboots": target == "local",
         "fsdp_mtu": spec.network.mtu,
         "fsdp_instance_type": spec.instance_type,
         "fsdp_gpus_per_node": instance.gpus,

@@ -305,6 +305,21 @@ def test_a_driver_installed_without_a_reboot_is_loaded_and_the_hardware_read_aga
         assert evaluate("nvidia", "driver.yml", refresh, "when", scope) is refreshes
 
 
+def test_a_driver_install_reboots_a_machine_and_a_container_only_where_the_target_boots_it_again(gpu_node):
+    reboot = "Reboot to load the new driver"
+    machine = gpu_node("p4d.24xlarge")  # an EC2 instance, from the AWS inventory
+    container = {**machine["fsdp_hardware"], "container": "systemd-nspawn"}
+    for overrides, reboots in [
+        ({}, True),
+        ({"nvidia_reboot_allowed": False}, False),
+        ({"nvidia_install": {"changed": False}}, False),  # an adopted driver: nothing new to load
+        ({"fsdp_hardware": container}, False),  # nothing would boot it again: the reboot would end it
+        ({"fsdp_hardware": container, "fsdp_container_reboots": True}, True),  # the local target's keeper
+    ]:
+        scope = {**machine, "nvidia_install": {"changed": True}, **overrides}
+        assert evaluate("nvidia", "driver.yml", reboot, "when", scope) is reboots, overrides
+
+
 # `dpkg-query --show` of nvidia-kernel-common-*: package|version|provides|status
 UBUNTU_535 = "nvidia-kernel-common-535-server|535.183.01-0ubuntu0.22.04.1|nvidia-kernel-common|installed"
 UBUNTU_580 = (

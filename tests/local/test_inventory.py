@@ -62,13 +62,14 @@ def test_local_inventory_has_nodes_ranks_and_contract_vars(home, tmp_path):
     assert "UserKnownHostsFile=" in node1["ansible_ssh_common_args"]
     v = group["vars"]
     assert (v["fsdp_target"], v["fsdp_offline"], v["fsdp_mtu"]) == ("local", True, 9000)
+    assert v["fsdp_container_reboots"] is True  # the keeper boots a rebooted node again
     assert (v["fsdp_gpus_per_node"], v["fsdp_efa_count"], v["fsdp_nvme_devices"]) == (8, 4, 8)
     assert v["fsdp_shared_dir"] == "/shared" and v["fsdp_fsx_enabled"] is False
     assert v["fsdp_nccl_version"] == "2.29.3-1" and v["fsdp_efa_installer_sha256"] is None
-    contract = {"fsdp_cluster_name", "fsdp_target", "fsdp_offline", "fsdp_mtu", "fsdp_instance_type",
-                "fsdp_gpus_per_node", "fsdp_gpu_model", "fsdp_efa_count", "fsdp_nvme_devices",
-                "fsdp_nvswitch", "fsdp_scratch_mount", "fsdp_shared_dir", "fsdp_fsx_enabled",
-                "fsdp_fsx_dns_name",
+    contract = {"fsdp_cluster_name", "fsdp_target", "fsdp_offline", "fsdp_container_reboots", "fsdp_mtu",
+                "fsdp_instance_type", "fsdp_gpus_per_node", "fsdp_gpu_model", "fsdp_efa_count",
+                "fsdp_nvme_devices", "fsdp_nvswitch", "fsdp_scratch_mount", "fsdp_shared_dir",
+                "fsdp_fsx_enabled", "fsdp_fsx_dns_name",
                 "fsdp_fsx_mount_name", "fsdp_fsx_mount_point", "fsdp_region", "fsdp_checkpoint_bucket",
                 "fsdp_nvidia_driver_branch", "fsdp_cuda_version", "fsdp_gdrcopy_version",
                 "fsdp_efa_installer_version", "fsdp_efa_installer_sha256", "fsdp_nccl_version",
@@ -91,6 +92,7 @@ def test_aws_inventory_goes_through_the_bastion_and_leaves_excluded_nodes_out(ho
     assert str(tmp_path / "id_ed25519") in args, "the hop must use the cluster key too"
     v = group["vars"]
     assert (v["fsdp_target"], v["fsdp_offline"], v["fsdp_fsx_enabled"]) == ("aws", False, True)
+    assert v["fsdp_container_reboots"] is False
     assert v["fsdp_fsx_dns_name"] == "fs-0123.fsx.us-east-1.amazonaws.com"
     assert v["fsdp_fsx_mount_name"] == "abcdefgh" and v["fsdp_checkpoint_bucket"] == "inv-aws-checkpoints"
     # the controller's power program starts and stops nodes by instance id

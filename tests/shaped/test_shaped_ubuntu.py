@@ -1,16 +1,16 @@
 """The install paths for real on a local node shaped like a plain Ubuntu 22.04 p4d (tests/shaped/ubuntu.py):
-nothing NVIDIA installed, Ubuntu's archive the only package source, the upstream downloads stand-ins in the
-layer (tests/shaped/upstream.py). `fsdpctl configure --tags nvidia,cuda,efa,nccl,storage` installs the driver
-branch's `-server-open` packages, loads the module DKMS built (a container is never rebooted), reads the
-hardware again, and installs Ubuntu's Fabric Manager at exactly the installed
-`nvidia-kernel-common-<branch>-server` version; then NVIDIA's cuda-keyring and CUDA toolkit, GDRCopy built
-from its source release into packages (whose init script loads gdrdrv and makes /dev/gdrdrv), the EFA
-installer, NCCL from NVIDIA's repository (held) with nccl-tests built against the installer's Open MPI, and
-the blank instance store built into a RAID0 array mounted at /scratch. The second run changes
-nothing, NVIDIA's repository listed by then (its own build of the branch's Fabric Manager sorts above
-Ubuntu's and is not taken). What the play left for the roles after it (the hardware fact) is read from the
-facts ansible-runner cached for the run. Before any of it, check mode on the fresh node previews the install
-paths and leaves the node as it was."""
+nothing NVIDIA installed, Ubuntu's archive the only package source, the upstream downloads stand-ins in
+the layer (tests/shaped/upstream.py). `fsdpctl configure --tags nvidia,cuda,efa,nccl,storage` installs the
+driver branch's `-server-open` packages, reboots the node (its keeper boots the container again; the boot
+stand-in loads the module DKMS built, as udev does on a real node), reads the hardware again, and installs
+Ubuntu's Fabric Manager at exactly the installed `nvidia-kernel-common-<branch>-server` version; then
+NVIDIA's cuda-keyring and CUDA toolkit, GDRCopy built from its source release into packages (whose init
+script loads gdrdrv and makes /dev/gdrdrv), the EFA installer, NCCL from NVIDIA's repository (held) with
+nccl-tests built against the installer's Open MPI, and the blank instance store built into a RAID0 array
+mounted at /scratch. The second run changes nothing, NVIDIA's repository listed by then (its own build of
+the branch's Fabric Manager sorts above Ubuntu's and is not taken). What the play left for the roles after
+it (the hardware fact) is read from the facts ansible-runner cached for the run. Before any of it, check
+mode on the fresh node previews the install paths and leaves the node as it was."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def test_check_mode_on_the_fresh_node_previews_the_install_and_changes_nothing(c
         "Blacklist nouveau": {"changed"},
         "Install the driver packages of the branch": {"changed"},
         "Run the persistence daemon with persistence mode on": {"changed"},
-        "Reboot to load the new driver": {"skipped"},  # a container: never rebooted
+        "Reboot to load the new driver": {"changed"},  # reported, not done
         "Install Fabric Manager at the driver's version": {"skipped"},  # no driver to match yet, and why:
         "Skip installing Fabric Manager in check mode (no driver installed yet)": {"skipped"},
     }.items():
@@ -193,17 +193,35 @@ def test_check_mode_on_the_fresh_node_previews_the_install_and_changes_nothing(c
     assert check_mode.after.block_writes == ()  # nothing written to the instance store
 
 
-def test_first_run_installs_the_driver_and_loads_it_without_a_reboot(first_run):
+def boots(state: ClusterState) -> list[tuple[str, list[str]]]:
+    """The node's boots, as the boot stand-in marks them in the stand-in modprobe's log: (boot id, the modules
+    loaded from that boot on, in order)."""
+    found: list[tuple[str, list[str]]] = []
+    for line in remote.run(state, 0, f"cat {dlami.SHAPE}/modprobe.log").stdout.splitlines():
+        if line.startswith("# boot "):
+            found.append((line.removeprefix("# boot "), []))
+        else:
+            found[-1][1].append(line)
+    return found
+
+
+def test_first_run_installs_the_driver_and_reboots_into_it(cluster, first_run):
     run = first_run
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     found = results(run.stdout)
     for task, statuses in {
         "Install the driver packages of the branch": {"changed"},
-        "Reboot to load the new driver": {"skipped"},  # a container: never rebooted
-        "Load the new driver where the node was not rebooted": {"changed"},
+        "Reboot to load the new driver": {"changed"},
+        "Load the new driver where the node was not rebooted": {"skipped"},
         "Check the driver version and persistence mode on every GPU": {"ok"},
     }.items():
         assert found.get((NODE, "nvidia", task)) == statuses, (task, found.get((NODE, "nvidia", task)))
+    # a second boot, and only its coldplug loaded the nvidia module: nothing loaded it by hand
+    _, state = cluster
+    (first_id, first_boot), (second_id, second_boot) = boots(state)
+    assert first_id != second_id
+    assert first_boot == ["efa"]  # no nvidia module built yet
+    assert second_boot[:2] == ["nvidia", "efa"] and second_boot.count("nvidia") == 1, second_boot
 
 
 def test_fabric_manager_comes_from_ubuntus_archive_at_the_drivers_exact_version(cluster, first_run):
@@ -235,13 +253,14 @@ def test_the_roles_after_the_driver_see_its_loaded_module(cluster, first_run):
     assert banner == dlami.nvrm_banner(ubuntu.UPSTREAM)
 
 
-def test_second_run_changes_nothing(second_run):
+def test_second_run_changes_nothing(cluster, second_run):
     out = second_run.stdout
     assert second_run.returncode == 0, out[-6000:]
     recap = {m[0]: tuple(map(int, m[1:])) for m in RECAP.findall(out)}
     assert set(recap) == {NODE}
     changed = [line for line in out.splitlines() if line.lstrip().startswith("changed ")]
     assert all(c == 0 for _, c, _, _ in recap.values()), changed
+    assert len(boots(cluster[1])) == 2  # not rebooted again
 
 
 def test_first_run_installs_cuda_gdrcopy_efa_and_nccl_and_builds_the_scratch_array(first_run):

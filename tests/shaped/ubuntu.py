@@ -17,6 +17,9 @@ target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in and lives 
   cannot reach the driver, as the real one cannot before a reboot or a modprobe;
 - what the cuda and efa roles download (upstream.py): NVIDIA's cuda-keyring and its CUDA repository, GDRCopy's
   source release, the EFA installer; and in the archive, GDRCopy's build dependencies;
+- a boot stand-in (templates/shape-boot.sh.j2, a unit early in every boot): the tree's modules are unloaded
+  and the shaped devices' drivers loaded where the kernel has them, as udev's coldplug does, so that a reboot
+  after the driver install loads the new nvidia module and nothing else does;
 - stand-in blkid, mdadm, mkfs.xfs, mount, findmnt and udevadm first on PATH (/usr/local/sbin), the ones the
   scratch program's tests use (tests/stand_ins.py), keeping the devices' signatures and the mount table
   under BLOCK_STATE: the kernel has no md driver and the instance store is no block device.
@@ -36,8 +39,25 @@ BLOCK_STATE = f"{dlami.SHAPE}/block"
 BRANCH = "535"
 UPSTREAM = "535.183.01"
 VERSION = f"{UPSTREAM}-0ubuntu0.22.04.1"  # every binary package of the source shares it
-# What the image's boot does before anyone configures the node: its packages are installed.
-BAKE = f"set -e; dpkg -i {dlami.IMAGE_DEBS}/*.deb >/dev/null"
+# What the image's boot does before anyone configures the node: its packages are installed. Its package
+# index (none: the base image's lists are removed) dates from when the image was built, days before the
+# node boots; apt's cache_valid_time reads that date, which on the freshly built local base image would be
+# minutes old, so that an install would not fetch the index of the archive this layer adds.
+BAKE = f"set -e; dpkg -i {dlami.IMAGE_DEBS}/*.deb >/dev/null; touch -d '30 days ago' /var/lib/apt/lists"
+# Runs the boot stand-in early in every boot, before any unit that reads the driver.
+BOOT_UNIT = """[Unit]
+Description=Stand-in kernel and udev coldplug of the shaped node (tests/shaped)
+DefaultDependencies=no
+Before=sysinit.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/usr/local/sbin/fsdp-shape-boot
+
+[Install]
+WantedBy=sysinit.target
+"""
 # dkms install, for the running kernel: what modprobe can load from now on, and the module's banner.
 DKMS_POSTINST = f"""#!/bin/sh
 set -e
@@ -97,8 +117,13 @@ def archive_packages() -> list[tuple[str, str, dict[str, bytes], str, dict[str, 
 def build_layer(layer: Path, instance_type: str, work: Path, host_name: str) -> Path:
     """The whole layer for FSDPCTL_LOCAL_NODE_LAYER (`work`: a scratch directory for its build; `host_name`:
     the node's, which mdadm writes into the array's members); returns `layer`."""
-    shape = dlami.shape_tree(layer, instance_type, ["efa"])
-    (shape / "sys/module/efa").mkdir(parents=True)  # Ubuntu's kernel has the EFA driver in-tree
+    dlami.shape_tree(layer, instance_type, ["efa"])
+    # Ubuntu's kernel has the EFA driver in-tree, loaded at boot by the boot stand-in
+    dlami.install_command(layer, "usr/local/sbin/fsdp-shape-boot", dlami.render("shape-boot.sh.j2"))
+    units = layer / "etc/systemd/system"
+    (units / "sysinit.target.wants").mkdir(parents=True)
+    (units / "fsdp-shape-boot.service").write_text(BOOT_UNIT)
+    (units / "sysinit.target.wants/fsdp-shape-boot.service").symlink_to("../fsdp-shape-boot.service")
     (layer / "etc/apt").mkdir(parents=True, exist_ok=True)
     (layer / "etc/apt/sources.list").write_text(f"# the stand-in Ubuntu archive\ndeb [trusted=yes] file:{ARCHIVE} ./\n")
     image = layer / dlami.IMAGE_DEBS.lstrip("/")
