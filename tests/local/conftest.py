@@ -8,11 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from fsdpctl import remote
+from fsdpctl.state import ClusterState
 from fsdpctl.targets.local.host import missing_commands
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +68,25 @@ def missing_prerequisite(message: str) -> None:
 @pytest.fixture(scope="module")
 def prerequisites() -> None:
     require_local_prerequisites()
+
+
+def reboot(state: ClusterState, rank: int, *, within_s: float = 180) -> str:
+    """`systemctl reboot` inside node `rank` (as a role would reboot a machine), then a wait until the node
+    answers again from a new boot and its systemd has finished starting; returns systemd's state then
+    (`running`, or `degraded` with a failed unit). Raises, with the node's nspawn log, if it does not."""
+    boot_id = "cat /proc/sys/kernel/random/boot_id"
+    before = remote.run(state, rank, boot_id).stdout.strip()
+    remote.run(state, rank, "systemd-run --on-active=1 systemctl reboot")  # after this SSH session ends
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        after = remote.run(state, rank, f"{boot_id}; systemctl is-system-running --wait",
+                           timeout=60, check=False)
+        lines = after.stdout.split()
+        if len(lines) == 2 and lines[0] != before:
+            return lines[1]
+        time.sleep(0.5)
+    log = Path(state.read().local.nodes[rank].dir, "nspawn.log").read_text()[-2000:]
+    raise AssertionError(f"node {rank} did not come back from a reboot within {within_s:.0f} s:\n{log}")
 
 
 def read_state(home: Path, name: str) -> dict:

@@ -24,7 +24,7 @@ import pytest
 
 from fsdpctl import remote
 from fsdpctl.state import ClusterState
-from tests.local.conftest import fsdpctl, spec_file
+from tests.local.conftest import fsdpctl, reboot, spec_file
 from tests.shaped import dlami, ubuntu, upstream
 from tests.shaped.conftest import cached_facts, shaped_cluster
 from tests.shaped.test_shaped_cluster import INSTALL_NCCL, RECAP, check_mode_run, results
@@ -151,6 +151,23 @@ def first_run(cluster, check_mode):
 def second_run(cluster, first_run):
     home, _ = cluster
     return configure(home)
+
+
+@dataclass(frozen=True)
+class Reboot:
+    """The configured node rebooted: systemd's state once it had started, and the block-device stand-ins'
+    writing calls made during the boot."""
+
+    system_state: str
+    block_writes: tuple[str, ...]
+
+
+@pytest.fixture(scope="module")
+def rebooted(cluster, second_run) -> Reboot:
+    _, state = cluster
+    calls_before = len(snapshot(state).block_writes)
+    system_state = reboot(state, 0)
+    return Reboot(system_state=system_state, block_writes=snapshot(state).block_writes[calls_before:])
 
 
 def test_check_mode_on_the_fresh_node_previews_the_install_and_changes_nothing(check_mode):
@@ -346,3 +363,24 @@ def test_nvidias_repository_does_not_replace_ubuntus_fabric_manager(cluster, sec
     names = f"nvidia-fabricmanager-{b} libnvidia-nscq-{b}"
     installed = remote.run(state, 0, PACKAGES + names).stdout.splitlines()
     assert sorted(installed) == [f"libnvidia-nscq-{b}={v} hold", f"nvidia-fabricmanager-{b}={v} hold"]
+
+
+def test_the_configured_node_boots_again_as_configured(cluster, second_run, rebooted):
+    # what a reboot (or the nvidia role's, on a node configured before) must bring back by itself: the
+    # driver (udev), the persistence daemon with persistence mode on, Fabric Manager, gdrdrv and its device
+    # (its init script), the scratch array assembled from its members and mounted, nothing created
+    assert second_run.returncode == 0, second_run.stdout[-6000:]
+    _, state = cluster
+    assert rebooted.system_state == "running"  # no unit failed
+    *_, (_, modules) = boots(state)
+    assert modules[:2] == ["nvidia", "efa"] and "gdrdrv" in modules and modules.count("nvidia") == 1, modules
+    units = "nvidia-persistenced nvidia-fabricmanager gdrdrv fsdp-scratch"
+    assert remote.run(state, 0, f"systemctl is-active {units}").stdout.split() == ["active"] * 4
+    query = "nvidia-smi --query-gpu=index,driver_version,persistence_mode --format=csv,noheader"
+    persistence = remote.run(state, 0, query).stdout.splitlines()
+    assert persistence == [f"{i}, {ubuntu.UPSTREAM}, Enabled" for i in range(8)]
+    assert rebooted.block_writes[0].startswith("mdadm --assemble "), rebooted.block_writes
+    assert not [w for w in rebooted.block_writes if "--create" in w or w.startswith("mkfs")]
+    assert rebooted.block_writes[-1] == "mount -t xfs -o defaults,noatime /dev/md127 /scratch"
+    after = f"cat {ubuntu.BLOCK_STATE}/mounts; stat -c %a /scratch; test -e /dev/gdrdrv && echo gdrdrv"
+    assert remote.run(state, 0, after).stdout.splitlines() == ["/dev/md127 /scratch", "1777", "gdrdrv"]

@@ -19,7 +19,8 @@ target's FSDPCTL_LOCAL_NODE_LAYER hook. Everything here is a stand-in and lives 
   source release, the EFA installer; and in the archive, GDRCopy's build dependencies;
 - a boot stand-in (templates/shape-boot.sh.j2, a unit early in every boot): the tree's modules are unloaded
   and the shaped devices' drivers loaded where the kernel has them, as udev's coldplug does, so that a reboot
-  after the driver install loads the new nvidia module and nothing else does;
+  after the driver install loads the new nvidia module and nothing else does; nothing is mounted and no
+  array assembled (the block-device stand-ins' state below);
 - stand-in blkid, mdadm, mkfs.xfs, mount, findmnt and udevadm first on PATH (/usr/local/sbin), the ones the
   scratch program's tests use (tests/stand_ins.py), keeping the devices' signatures and the mount table
   under BLOCK_STATE: the kernel has no md driver and the instance store is no block device.
@@ -119,7 +120,7 @@ def build_layer(layer: Path, instance_type: str, work: Path, host_name: str) -> 
     the node's, which mdadm writes into the array's members); returns `layer`."""
     dlami.shape_tree(layer, instance_type, ["efa"])
     # Ubuntu's kernel has the EFA driver in-tree, loaded at boot by the boot stand-in
-    dlami.install_command(layer, "usr/local/sbin/fsdp-shape-boot", dlami.render("shape-boot.sh.j2"))
+    dlami.install_command(layer, "usr/local/sbin/fsdp-shape-boot", dlami.render("shape-boot.sh.j2", block_state=BLOCK_STATE))
     units = layer / "etc/systemd/system"
     (units / "sysinit.target.wants").mkdir(parents=True)
     (units / "fsdp-shape-boot.service").write_text(BOOT_UNIT)
