@@ -65,9 +65,12 @@ def group_vars(record: ClusterRecord, spec: ClusterSpec) -> dict[str, Any]:
         # Power saving (spec `scaling:`): ranks below this never power down; the others after idling.
         "fsdp_static_node_count": spec.static_node_count,
         "fsdp_suspend_after_s": spec.scaling.suspend_after_s,
-        # The job watcher (spec `recovery:`): when a training step with no new metrics has stalled.
+        # The job watcher (spec `recovery:`): when a training step with no new metrics has stalled,
+        # and when a job whose GPUs idle is asked to checkpoint and requeue.
         "fsdp_stall_factor": spec.recovery.stall_factor,
         "fsdp_stall_min_s": spec.recovery.stall_min_s,
+        "fsdp_gpu_idle_pct": spec.recovery.gpu_idle_pct,
+        "fsdp_gpu_idle_s": spec.recovery.gpu_idle_s,
     }
 
 

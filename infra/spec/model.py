@@ -363,7 +363,8 @@ class Recovery(_Model):
     """How a Slurm job of `fsdpctl train` recovers from a rank that stopped making progress (docs/slurm.md,
     "Recovery"). The job watcher on the controller ends a training step whose metrics file has not
     grown for `stall_factor` times its usual interval between writes, and at least `stall_min_s`; the
-    job then starts again from its last checkpoint."""
+    job then starts again from its last checkpoint. It also asks a job whose every GPU stayed below
+    `gpu_idle_pct` utilisation for `gpu_idle_s` to checkpoint and requeue, once per job."""
 
     stall_factor: float = Field(default=10, ge=2, le=1000)
     """How many usual intervals between two metrics writes (metrics.log_interval steps) of silence
@@ -372,6 +373,32 @@ class Recovery(_Model):
     """The shortest silence that counts as a stall, in seconds: above the longest pause a healthy
     run makes between two writes (a checkpoint save, an evaluation). 10 to 86400. NCCL's own
     timeout (10 minutes) ends a hung collective later, if at all."""
+    gpu_idle_pct: float = 5
+    """A job whose every GPU stayed below this utilisation, in percent (dcgm-exporter's
+    DCGM_FI_DEV_GPU_UTIL in the monitoring role's Prometheus), for the whole of `gpu_idle_s` is
+    underused: the job watcher asks it to checkpoint and requeue (not counted as a failure), once per
+    job. It catches a job that hangs before its first metrics, which the stall rule cannot judge.
+    0 to 100; 0 turns the rule off."""
+    gpu_idle_s: int = 1800
+    """The window of `gpu_idle_pct`, in seconds of a running training step: longer than loading a
+    large model (gpt-oss-120b from its Hugging Face weights) or its checkpoint, which leaves the GPUs
+    idle. 300 to 86400."""
+
+    @field_validator("gpu_idle_pct")
+    @classmethod
+    def _gpu_idle_pct(cls, v: float) -> float:
+        if not 0 <= v <= 100:
+            raise ValueError("is outside 0 to 100 percent; use e.g. 5, or 0 to turn the rule off")
+        return v
+
+    @field_validator("gpu_idle_s")
+    @classmethod
+    def _gpu_idle_s(cls, v: int) -> int:
+        if not 300 <= v <= 86400:
+            raise ValueError("is outside 300 to 86400 seconds (a day): a large model loads for minutes with "
+                             "its GPUs idle, so a shorter window would requeue a job that is starting; use "
+                             "e.g. 1800")
+        return v
 
 
 class ClusterSpec(_Model):

@@ -83,6 +83,17 @@ REJECTED = {
     "unknown FSx expiry action": (
         {"storage": {"fsx": {"enabled": True, "at_expiry": "snapshot"}}}, "storage.fsx.at_expiry", "snapshot",
         "'delete', 'backup' or 'keep'"),
+    "GPU utilisation threshold above 100 %": (
+        {"recovery": {"gpu_idle_pct": 150}}, "recovery.gpu_idle_pct", 150,
+        "use e.g. 5, or 0 to turn the rule off"),
+    "negative GPU utilisation threshold": (
+        {"recovery": {"gpu_idle_pct": -1}}, "recovery.gpu_idle_pct", -1, "is outside 0 to 100 percent"),
+    "GPU idle window shorter than a large model's load": (
+        {"recovery": {"gpu_idle_s": 60}}, "recovery.gpu_idle_s", 60, "use e.g. 1800"),
+    "GPU idle window longer than a day": (
+        {"recovery": {"gpu_idle_s": 90000}}, "recovery.gpu_idle_s", 90000, "is outside 300 to 86400 seconds"),
+    "GPU idle window not a whole number": (
+        {"recovery": {"gpu_idle_s": "30m"}}, "recovery.gpu_idle_s", "30m", "write a whole number"),
 }
 
 
@@ -103,6 +114,19 @@ def test_rejected_input_names_field_value_fix_and_registers_nothing(case):
     with pytest.raises(SpecError):
         run_offline(data, EXPIRES_AT, mocks=recorder)
     assert recorder.registrations == []
+
+
+def test_the_gpu_utilisation_rule_defaults_and_its_off_switch():
+    recovery = parse_spec(demo_data()).recovery
+    assert (recovery.gpu_idle_pct, recovery.gpu_idle_s) == (5, 1800)
+    off = parse_spec(demo_data(recovery={"gpu_idle_pct": 0, "gpu_idle_s": 300})).recovery
+    assert (off.gpu_idle_pct, off.gpu_idle_s) == (0, 300)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(demo_data(recovery={"gpu_idle_s": 60}))
+    assert [str(p) for p in caught.value.problems] == [
+        "recovery.gpu_idle_s: is outside 300 to 86400 seconds (a day): a large model loads for minutes "
+        "with its GPUs idle, so a shorter window would requeue a job that is starting (got 60). Fix: use "
+        "e.g. 1800"]
 
 
 def test_the_shortest_retention_accepted_is_the_shortest_the_lifecycle_rule_can_keep():

@@ -74,9 +74,10 @@ def test_local_inventory_has_nodes_ranks_and_contract_vars(home, tmp_path):
                 "fsdp_nvidia_driver_branch", "fsdp_cuda_version", "fsdp_gdrcopy_version",
                 "fsdp_efa_installer_version", "fsdp_efa_installer_sha256", "fsdp_nccl_version",
                 "fsdp_nccl_tests_version", "fsdp_static_node_count", "fsdp_suspend_after_s",
-                "fsdp_stall_factor", "fsdp_stall_min_s"}
+                "fsdp_stall_factor", "fsdp_stall_min_s", "fsdp_gpu_idle_pct", "fsdp_gpu_idle_s"}
     assert set(v) == contract
     assert (v["fsdp_stall_factor"], v["fsdp_stall_min_s"]) == (10, 300)
+    assert (v["fsdp_gpu_idle_pct"], v["fsdp_gpu_idle_s"]) == (5, 1800)
     # a fixed cluster: every node static; local nodes have no instance id
     assert (v["fsdp_static_node_count"], v["fsdp_suspend_after_s"]) == (2, 600)
     assert "instance_id" not in node1

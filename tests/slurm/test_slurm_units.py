@@ -320,11 +320,18 @@ def test_status_says_when_it_could_not_ask_slurm_and_is_silent_without_it(status
 
 
 # The batch part against stand-in Slurm commands: srun's training step exits with the next status of
-# $JOB_DIR/step-exits (one per attempt), its health step with $HEALTH_EXIT; every srun call is logged.
+# $JOB_DIR/step-exits (one per attempt), after sending the batch script SIGUSR1 when $STEP_USR1 is set
+# (`watcher`: as the job watcher does, with its reason in underused first); its health step exits with
+# $HEALTH_EXIT; every srun call is logged.
 BATCH_STAND_INS = {
     "srun": ('echo "$*" >> "$JOB_DIR/srun.log"\n'
              'case "$*" in\n'
              '  *--node*) code=$(head -n 1 "$JOB_DIR/step-exits"); sed -i 1d "$JOB_DIR/step-exits"\n'
+             '            if [ -n "${STEP_USR1:-}" ]; then\n'
+             '                sleep 0.05  # past the resolution of the file times of status\n'
+             '                [ "$STEP_USR1" != watcher ] || echo "GPUs idle" > "$JOB_DIR/underused"\n'
+             '                kill -USR1 "$PPID"; sleep 0.2\n'
+             '            fi\n'
              '            exit "$code" ;;\n'
              '  *node-health*) [ -z "${HEALTH_SIGNAL:-}" ] || kill "-$HEALTH_SIGNAL" "$PPID"\n'
              '                exit "${HEALTH_EXIT:-0}" ;;\n'
@@ -337,7 +344,8 @@ BATCH_STAND_INS = {
 
 
 def _run_batch(tmp_path, step_exits: list[int], *, health_exit: int = 0, failures: int = 0,
-               stalled: str | None = None, signal_during_check: str = "") -> tuple[int, str, Path]:
+               stalled: str | None = None, signal_during_check: str = "", step_usr1: str = "",
+               underused: str | None = None) -> tuple[int, str, Path]:
     job = _job(job_dir=str(tmp_path / "job"))
     job_dir = Path(job.job_dir)
     job_dir.mkdir()
@@ -347,9 +355,11 @@ def _run_batch(tmp_path, step_exits: list[int], *, health_exit: int = 0, failure
         (job_dir / "failures").write_text(f"{failures}\n")
     if stalled:
         (job_dir / "stalled").write_text(stalled)
+    if underused:
+        (job_dir / "underused").write_text(underused)
     env = {**stand_in_commands(tmp_path, **BATCH_STAND_INS), "JOB_DIR": job.job_dir,
-           "HEALTH_EXIT": str(health_exit), "HEALTH_SIGNAL": signal_during_check, "SLURM_JOB_ID": "41",
-           "SLURM_JOB_NODELIST": "node[0-1]"}
+           "HEALTH_EXIT": str(health_exit), "HEALTH_SIGNAL": signal_during_check, "STEP_USR1": step_usr1,
+           "SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "node[0-1]"}
     proc = subprocess.run(["bash", str(job_dir / "job.sbatch")], capture_output=True, text=True, timeout=30,
                           cwd=job_dir, env=env)
     return proc.returncode, proc.stdout + proc.stderr, job_dir
@@ -389,6 +399,25 @@ def test_a_step_the_job_watcher_ended_is_logged_with_its_reason_and_retried(tmp_
     assert rc == 0, log
     assert f"step ended by the job watcher: {reason}" in log and not (job_dir / "stalled").exists()
     assert "step exit 137: retried in this allocation" in log
+
+
+def test_the_job_watchers_sigusr1_is_logged_with_its_reason_and_requeues_without_counting_a_failure(tmp_path):
+    """The job watcher found the job's GPUs idle: it wrote why into underused, then sent SIGUSR1. The
+    step ends (here with SIGKILL's status, as when the watcher ends a step that did not checkpoint in
+    time) and the job is requeued, its failures untouched; underused stays (once per job)."""
+    rc, log, job_dir = _run_batch(tmp_path, [137], step_usr1="watcher")
+    assert (rc, (job_dir / "status").read_text()) == (slurm.REQUEUE_EXIT, "requeued 137\n"), log
+    assert "SIGUSR1 from the job watcher: GPUs idle" in log
+    assert "step exit 137 after SIGUSR1: requeued (run 0; a checkpoint on request, not a failure)" in log
+    assert not (job_dir / "failures").exists() and (job_dir / "underused").exists()
+
+
+def test_a_later_sigusr1_does_not_repeat_the_job_watchers_old_reason(tmp_path):
+    """underused from an earlier run (older than this attempt's status): a time limit's SIGUSR1 now is
+    not the watcher's."""
+    rc, log, job_dir = _run_batch(tmp_path, [0], step_usr1="time limit", underused="GPUs idle")
+    assert (rc, (job_dir / "status").read_text()) == (slurm.REQUEUE_EXIT, "requeued 0\n"), log
+    assert "SIGUSR1: asking the workers to checkpoint" in log and "from the job watcher" not in log
 
 
 @pytest.mark.parametrize(("signal_name", "rc", "status", "said"), [
