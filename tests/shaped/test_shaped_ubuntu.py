@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,3 +385,24 @@ def test_the_configured_node_boots_again_as_configured(cluster, second_run, rebo
     assert rebooted.block_writes[-1] == "mount -t xfs -o defaults,noatime /dev/md127 /scratch"
     after = f"cat {ubuntu.BLOCK_STATE}/mounts; stat -c %a /scratch; test -e /dev/gdrdrv && echo gdrdrv"
     assert remote.run(state, 0, after).stdout.splitlines() == ["/dev/md127 /scratch", "1777", "gdrdrv"]
+
+
+def test_a_fabric_manager_of_another_release_fails_the_run_naming_both_versions_and_the_packages(
+        cluster, rebooted):
+    # the packages are right but the binary is not (a manual install of an earlier release over them): the
+    # role reads the version Fabric Manager itself reports, not the package database, and stops
+    home, state = cluster
+    stray = shlex.quote(dlami.fabricmanager("535.161.07"))
+    binary = "/usr/bin/nv-fabricmanager"
+    remote.run(state, 0, f"cp -p {binary} /root/nv-fabricmanager.packaged && printf %s {stray} > {binary}")
+    try:
+        run = fsdpctl(home, "configure", "--tags", "nvidia", *EXTRA_ARGS, check=False)
+    finally:
+        remote.run(state, 0, f"cp -p /root/nv-fabricmanager.packaged {binary}")
+    assert run.returncode == 1, run.stdout[-4000:]
+    b, v = ubuntu.BRANCH, ubuntu.VERSION
+    expected = (f'NVIDIA Fabric Manager on {NODE} reports "Fabric Manager version is : 535.161.07" but the '
+                f"driver is {ubuntu.UPSTREAM}: they must be the same version. Install "
+                f"nvidia-fabricmanager-{b}={v}, libnvidia-nscq-{b}={v} from the repository the driver came "
+                "from (ubuntu)")
+    assert expected in " ".join(run.stdout.split()), run.stdout[-4000:]
