@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from trainer.config import derive_layout, load_config  # noqa: E402
 from trainer.data import BatchLoader, build_source  # noqa: E402
-from trainer.distributed import Runtime, init_distributed, launch_sizes, shutdown  # noqa: E402
+from trainer.distributed import Runtime, exit_process, init_distributed, launch_sizes, shutdown  # noqa: E402
 from trainer.loss import loss_fn  # noqa: E402
 from trainer.metrics import device_peak_flops  # noqa: E402
 from trainer.model import build_model  # noqa: E402
@@ -250,4 +250,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

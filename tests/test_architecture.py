@@ -272,3 +272,44 @@ def test_fsdpctl_reads_the_trainers_records_without_torch():
                        if importer.startswith("fsdpctl.checks")
                        for target in targets if target.startswith("trainer") and target != "trainer.records")
     assert offenders == []
+
+
+# ---- scripts that start a process group exit through trainer.distributed.exit_process -------------
+# A native gloo/torch thread can abort a finished two-rank process at interpreter teardown (SIGABRT,
+# exit -6 under torchrun; see exit_process): a complete run must not read as a failed one.
+SCRIPT_ROOTS = ("trainer", "bench", "tests")
+
+
+def _main_block(tree: ast.Module) -> ast.If | None:
+    for node in tree.body:
+        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+                and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__"):
+            return node
+    return None
+
+
+def exits_natively(source: str) -> bool:
+    """Whether a script that starts a process group ends its `__main__` block without exit_process."""
+    if "init_process_group(" not in source and "init_distributed(" not in source:
+        return False
+    block = _main_block(ast.parse(source))
+    if block is None:
+        return False
+    called = {getattr(call.func, "id", getattr(call.func, "attr", None))
+              for call in ast.walk(block) if isinstance(call, ast.Call)}
+    return "exit_process" not in called
+
+
+def test_the_exit_rule_sees_a_native_exit():
+    script = ('import torch.distributed as dist\n\ndef main():\n    dist.init_process_group("gloo")\n\n'
+              'if __name__ == "__main__":\n    main()\n')
+    assert exits_natively(script)
+    assert not exits_natively(script + "    exit_process(0)\n")
+    assert not exits_natively(script.split("\nif __name__")[0])  # a library module
+
+
+def test_scripts_that_start_a_process_group_exit_through_exit_process():
+    scripts = [p for root in SCRIPT_ROOTS for p in sorted((REPO / root).rglob("*.py"))
+               if "__pycache__" not in p.parts]
+    offenders = [str(p.relative_to(REPO)) for p in scripts if exits_natively(p.read_text())]
+    assert offenders == []

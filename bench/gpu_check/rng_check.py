@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from trainer.checkpoint import CheckpointManager  # noqa: E402
 from trainer.checkpoint.config import CheckpointConfig  # noqa: E402
 from trainer.config import DistributedConfig, derive_layout, load_config  # noqa: E402
-from trainer.distributed import init_distributed, shutdown  # noqa: E402
+from trainer.distributed import exit_process, init_distributed, shutdown  # noqa: E402
 from trainer.train import build_optimizer, build_parallel_model  # noqa: E402
 
 
@@ -81,4 +81,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

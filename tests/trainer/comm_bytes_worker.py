@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from trainer.commbytes import CommBytes
 from trainer.config import MetricsConfig
-from trainer.distributed import Runtime
+from trainer.distributed import Runtime, exit_process
 from trainer.metrics import MetricsLogger
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -177,3 +177,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

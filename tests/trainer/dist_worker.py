@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
-from trainer.distributed import init_distributed, launch_sizes, shutdown
+from trainer.distributed import exit_process, init_distributed, launch_sizes, shutdown
 from trainer.loss import loss_fn
 from trainer.metrics import gather_loss_and_memory
 from trainer.model import build_model
@@ -135,3 +135,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -16,7 +16,7 @@ import torch
 from tests.trainer.memory import PeakTracker
 from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
-from trainer.distributed import init_distributed, shutdown
+from trainer.distributed import exit_process, init_distributed, shutdown
 from trainer.estimate import estimate
 from trainer.loss import loss_fn
 from trainer.train import build_parallel_model
@@ -67,3 +67,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

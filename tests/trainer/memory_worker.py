@@ -16,7 +16,7 @@ from tests.trainer.dist_worker import finish
 from tests.trainer.memory import PeakTracker, gathered_param_bytes, gradient_bytes, sharded_bytes
 from trainer.config import derive_layout, load_config
 from trainer.data import BatchLoader, build_source
-from trainer.distributed import init_distributed, launch_sizes
+from trainer.distributed import exit_process, init_distributed, launch_sizes
 from trainer.loss import loss_fn
 from trainer.parallelize import set_gradient_sync
 from trainer.train import build_optimizer, build_parallel_model
@@ -78,3 +78,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

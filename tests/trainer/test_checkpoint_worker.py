@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from trainer.checkpoint import CheckpointConfig, CheckpointManager
+from trainer.distributed import exit_process
 
 WIDTH = 32
 
@@ -176,4 +177,4 @@ def reference_run(tmp_path_factory) -> Path:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
