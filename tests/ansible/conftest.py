@@ -188,7 +188,7 @@ def render_template(role: str, name: str, variables: dict[str, Any]) -> str:
 def task_expression(role: str, tasks_file: str, task_name: str, *path: str) -> str:
     """A Jinja expression exactly as written in a role's task (e.g. a command's argv)."""
     tasks = yaml.safe_load((ROLES_DIR / role / "tasks" / tasks_file).read_text())
-    tasks = [*tasks, *(inner for t in tasks for inner in t.get("block", []))]
+    tasks = [*tasks, *(inner for t in tasks for part in ("block", "rescue") for inner in t.get(part, []))]
     task = next(t for t in tasks if t.get("name") == task_name)
     value: Any = task
     for key in path:
