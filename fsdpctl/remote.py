@@ -11,7 +11,9 @@ import shlex
 import subprocess
 import sys
 import tarfile
+import time
 from argparse import Namespace
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -23,6 +25,12 @@ from fsdpctl.state import ClusterRecord, ClusterState, Node, SshSettings
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; a timed-out command reports it too
 SSH_FAILED = 255  # ssh's own exit status for an error (otherwise it passes on the command's)
+# ssh's words for a connection that ended before the remote command started: sshd too busy to send its
+# banner within ConnectTimeout, or shedding a burst of new connections (MaxStartups). Nothing ran, so
+# another try is safe. A refused or timed-out connect (a node down) is not tried again.
+BEFORE_SESSION = ("Connection timed out during banner exchange", "kex_exchange_identification:")
+SSH_ATTEMPTS = 3
+SSH_RETRY_DELAY_S = 2.0
 
 
 class RemoteCommandFailed(CommandError):
@@ -94,17 +102,30 @@ def ssh_argv(cluster: ClusterNodes, node: Node, command: str) -> list[str]:
     return ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address, command]
 
 
+def failed_before_session(returncode: int, stderr: str) -> bool:
+    """Whether ssh ended before the remote command started, for a reason another try may not meet."""
+    return returncode == SSH_FAILED and any(words in stderr for words in BEFORE_SESSION)
+
+
 def _run_on(record: ClusterRecord, node: Node, command: str, timeout: float | None,
             check: bool) -> subprocess.CompletedProcess:
     argv = ssh_argv(record, node, command)
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        def text(v: str | bytes | None) -> str:
-            return v.decode(errors="replace") if isinstance(v, bytes) else (v or "")
-        result = subprocess.CompletedProcess(argv, TIMEOUT_RC, text(e.stdout),
-                                             text(e.stderr) + f"\ntimed out after {timeout} s")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for attempt in range(1, SSH_ATTEMPTS + 1):
+        left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True, timeout=left,
+                                    stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            def text(v: str | bytes | None) -> str:
+                return v.decode(errors="replace") if isinstance(v, bytes) else (v or "")
+            result = subprocess.CompletedProcess(argv, TIMEOUT_RC, text(e.stdout),
+                                                 text(e.stderr) + f"\ntimed out after {timeout} s")
+        if attempt == SSH_ATTEMPTS or not failed_before_session(result.returncode, result.stderr):
+            break
+        if deadline is not None and time.monotonic() + SSH_RETRY_DELAY_S >= deadline:
+            break
+        time.sleep(SSH_RETRY_DELAY_S)
     if check and result.returncode:
         raise RemoteCommandFailed(node, command, result)
     return result
@@ -193,6 +214,27 @@ def close_control_masters(control_dir: Path) -> None:
                        capture_output=True, timeout=15)
 
 
+def _call_with_retries(node: Node, argv: list[str]) -> int:
+    """Run ssh with the terminal's stdin and stdout, passing its stderr on as it comes, and try again
+    while it ends before the remote command started."""
+    for attempt in range(1, SSH_ATTEMPTS + 1):
+        proc = subprocess.Popen(argv, env=os.environ, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        last_lines: deque[bytes] = deque(maxlen=5)  # ssh's own words come last
+        for line in proc.stderr:
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            last_lines.append(line)
+        code = proc.wait()
+        said = b"".join(last_lines).decode(errors="replace")
+        if attempt == SSH_ATTEMPTS or not failed_before_session(code, said):
+            return code
+        print(f"fsdpctl ssh: {node.name} ({node.address}) did not start the session; trying again "
+              f"({attempt + 1} of {SSH_ATTEMPTS})", file=sys.stderr, flush=True)
+        time.sleep(SSH_RETRY_DELAY_S)
+    return code
+
+
 def cmd_ssh(args: Namespace) -> int:
     """`fsdpctl ssh RANK -- CMD`: run CMD on the node (no CMD: an interactive shell)."""
     words = list(args.remote_command)
@@ -213,7 +255,7 @@ def cmd_ssh(args: Namespace) -> int:
     if not words:  # an interactive login: no command, and a terminal when we have one
         argv = [argv[0], *(["-t"] if sys.stdin.isatty() else []), *argv[1:-1]]
     sys.stdout.flush()
-    code = subprocess.call(argv, env=os.environ)
+    code = subprocess.call(argv, env=os.environ) if not words else _call_with_retries(node, argv)
     if code == SSH_FAILED:
         raise CommandError(f"ssh to {node.name} ({node.address}) exited {SSH_FAILED}: the connection failed "
                            "(ssh's own message is above) or the command exited so; `fsdpctl status` checks "
