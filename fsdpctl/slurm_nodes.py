@@ -150,6 +150,9 @@ POWER_UP_TIMEOUT_S = 900
 way down."""
 POLL_S = 2.0
 HOLD_JOB_NAME = "fsdpctl-hold"
+# The job the slurm role holds the idle dynamic nodes with while the first configure's play runs
+# (ansible/roles/slurm/defaults/main.yml, slurm_play_hold_job_name); the play cancels it at its end.
+PLAY_HOLD_JOB_NAME = "fsdp-configure-hold"
 
 
 def power_up_all(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: str) -> None:
@@ -203,7 +206,12 @@ def nodes_held_up(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: s
     run a job are up and stay up. A CommandError names the nodes that did not come, with Slurm's
     reason, and how to go on without them."""
     if not spec.power_saving or not slurm_configured(record):  # before the first configure: all up
-        yield
+        try:
+            yield
+        finally:
+            if spec.power_saving:  # a play that stopped before its end left the role's hold running
+                with contextlib.suppress(CommandError):
+                    run_slurm(record, f"scancel --name={PLAY_HOLD_JOB_NAME}", check=False)
         return
     states = node_states(record) or {}
     names = [n.name for n in record.active_nodes() if n.rank >= spec.static_node_count]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from ansible.template import trust_as_template
 
-from tests.ansible.conftest import ROLES_DIR, render, render_template
+from tests.ansible.conftest import ROLES_DIR, render, render_template, task_expression
 from tests.ansible.conftest import gpu_node as _gpu_node_fixture  # noqa: F401 (the fixture below wraps it)
 
 
@@ -608,3 +608,16 @@ def test_gpudirect_accepts_a_peer_memory_module_or_dma_buf(
         {**variables, "gpudirect_module": chosen, "gpudirect_dmabuf": dmabuf},
     )
     assert refused is (not module and not dmabuf)
+
+
+def test_the_first_configure_holds_only_the_idle_dynamic_nodes_of_its_play():
+    """Which nodes the slurm role holds with a job for the rest of the play (power saving turned on
+    half-way through it): those up and idle, once each, and only of this play (`--limit`)."""
+    expression = task_expression("slurm", "services.yml", "Hold them with a job until the play ends",
+                                 "vars", "slurm_idle_hosts")
+    sinfo = ["c-node1 idle", "c-node1 idle", "c-node2 idle~", "c-node3 allocated", "c-node4 idle",
+             "c-node5 idle#"]
+    held = render(expression, {"slurm_dynamic_states": {"stdout_lines": sinfo},
+                               "ansible_play_hosts": ["c-node0", "c-node1", "c-node2", "c-node3", "c-node5"]})
+    assert held == ["c-node1"]
+    assert render(expression, {"slurm_dynamic_states": {"skipped": True}, "ansible_play_hosts": []}) == []

@@ -332,6 +332,17 @@ def test_a_held_node_that_cannot_start_stops_the_command_with_its_reason(tmp_pat
     assert "--nodelist=pw-node1,pw-node2 -N2" in fake.commands[0] and fake.commands[-1] == "scancel 41"
 
 
+def test_after_the_first_configure_the_roles_hold_is_cancelled_whatever_the_play_did(tmp_path, monkeypatch):
+    fake = FakeSlurm([{}])
+    record, spec = _elastic(tmp_path, monkeypatch, fake, min_nodes=1)
+    monkeypatch.setattr(slurm_nodes, "slurm_configured", lambda record: False)  # Slurm not up before
+    with pytest.raises(CommandError), slurm_nodes.nodes_held_up(record, spec, print, what="configure"):
+        raise CommandError("the playbook failed")  # a play that stopped before its last task
+    assert fake.commands == [f"scancel --name={slurm_nodes.PLAY_HOLD_JOB_NAME}"]
+    role_defaults = yaml.safe_load((ROLES_DIR / "slurm/defaults/main.yml").read_text())
+    assert role_defaults["slurm_play_hold_job_name"] == slurm_nodes.PLAY_HOLD_JOB_NAME
+
+
 def test_a_fixed_cluster_holds_nothing(tmp_path, monkeypatch):
     fake = FakeSlurm([{"pw-node0": "idle|none"}])
     record, spec = _elastic(tmp_path, monkeypatch, fake)
