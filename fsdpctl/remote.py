@@ -103,7 +103,7 @@ def ssh_argv(cluster: ClusterNodes, node: Node, command: str) -> list[str]:
 
 
 def failed_before_session(returncode: int, stderr: str) -> bool:
-    """Whether ssh ended before the remote command started, for a reason another try may not meet."""
+    """Whether ssh ended before the remote command started (so trying again cannot run it twice)."""
     return returncode == SSH_FAILED and any(words in stderr for words in BEFORE_SESSION)
 
 
