@@ -107,11 +107,29 @@ def failed_before_session(returncode: int, stderr: str) -> bool:
     return returncode == SSH_FAILED and any(words in stderr for words in BEFORE_SESSION)
 
 
+def _until_the_session_starts(run_once: Callable[[], tuple[int, str]], *, deadline: float | None = None,
+                              on_retry: Callable[[int], None] | None = None) -> None:
+    """Call `run_once()` (which returns ssh's exit status and its last stderr) again while ssh ended before
+    the remote command started, SSH_ATTEMPTS times at most and never past `deadline` (time.monotonic());
+    `on_retry(attempt)` is told before each further try."""
+    for attempt in range(1, SSH_ATTEMPTS + 1):
+        code, stderr = run_once()
+        if attempt == SSH_ATTEMPTS or not failed_before_session(code, stderr):
+            return
+        if deadline is not None and time.monotonic() + SSH_RETRY_DELAY_S >= deadline:
+            return
+        if on_retry is not None:
+            on_retry(attempt + 1)
+        time.sleep(SSH_RETRY_DELAY_S)
+
+
 def _run_on(record: ClusterRecord, node: Node, command: str, timeout: float | None,
             check: bool) -> subprocess.CompletedProcess:
     argv = ssh_argv(record, node, command)
     deadline = None if timeout is None else time.monotonic() + timeout
-    for attempt in range(1, SSH_ATTEMPTS + 1):
+    results: list[subprocess.CompletedProcess] = []
+
+    def run_once() -> tuple[int, str]:
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
         try:
             result = subprocess.run(argv, capture_output=True, text=True, timeout=left,
@@ -121,11 +139,11 @@ def _run_on(record: ClusterRecord, node: Node, command: str, timeout: float | No
                 return v.decode(errors="replace") if isinstance(v, bytes) else (v or "")
             result = subprocess.CompletedProcess(argv, TIMEOUT_RC, text(e.stdout),
                                                  text(e.stderr) + f"\ntimed out after {timeout} s")
-        if attempt == SSH_ATTEMPTS or not failed_before_session(result.returncode, result.stderr):
-            break
-        if deadline is not None and time.monotonic() + SSH_RETRY_DELAY_S >= deadline:
-            break
-        time.sleep(SSH_RETRY_DELAY_S)
+        results.append(result)
+        return result.returncode, result.stderr
+
+    _until_the_session_starts(run_once, deadline=deadline)
+    result = results[-1]
     if check and result.returncode:
         raise RemoteCommandFailed(node, command, result)
     return result
@@ -217,7 +235,9 @@ def close_control_masters(control_dir: Path) -> None:
 def _call_with_retries(node: Node, argv: list[str]) -> int:
     """Run ssh with the terminal's stdin and stdout, passing its stderr on as it comes, and try again
     while it ends before the remote command started."""
-    for attempt in range(1, SSH_ATTEMPTS + 1):
+    codes: list[int] = []
+
+    def call_once() -> tuple[int, str]:
         proc = subprocess.Popen(argv, env=os.environ, stderr=subprocess.PIPE)
         assert proc.stderr is not None
         last_lines: deque[bytes] = deque(maxlen=5)  # ssh's own words come last
@@ -225,14 +245,15 @@ def _call_with_retries(node: Node, argv: list[str]) -> int:
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
             last_lines.append(line)
-        code = proc.wait()
-        said = b"".join(last_lines).decode(errors="replace")
-        if attempt == SSH_ATTEMPTS or not failed_before_session(code, said):
-            return code
+        codes.append(proc.wait())
+        return codes[-1], b"".join(last_lines).decode(errors="replace")
+
+    def say_retry(attempt: int) -> None:
         print(f"fsdpctl ssh: {node.name} ({node.address}) did not start the session; trying again "
-              f"({attempt + 1} of {SSH_ATTEMPTS})", file=sys.stderr, flush=True)
-        time.sleep(SSH_RETRY_DELAY_S)
-    return code
+              f"({attempt} of {SSH_ATTEMPTS})", file=sys.stderr, flush=True)
+
+    _until_the_session_starts(call_once, on_retry=say_retry)
+    return codes[-1]
 
 
 def cmd_ssh(args: Namespace) -> int:

@@ -185,11 +185,17 @@ def render_template(role: str, name: str, variables: dict[str, Any]) -> str:
     return render((ROLES_DIR / role / "templates" / name).read_text(), variables)
 
 
+def role_tasks(role: str, tasks_file: str) -> list[dict[str, Any]]:
+    """A role's tasks file as written, each block followed by the tasks of its `block` and `rescue`."""
+    flat = []
+    for task in yaml.safe_load((ROLES_DIR / role / "tasks" / tasks_file).read_text()):
+        flat += [task, *task.get("block", []), *task.get("rescue", [])]
+    return flat
+
+
 def task_expression(role: str, tasks_file: str, task_name: str, *path: str) -> str:
     """A Jinja expression exactly as written in a role's task (e.g. a command's argv)."""
-    tasks = yaml.safe_load((ROLES_DIR / role / "tasks" / tasks_file).read_text())
-    tasks = [*tasks, *(inner for t in tasks for part in ("block", "rescue") for inner in t.get(part, []))]
-    task = next(t for t in tasks if t.get("name") == task_name)
+    task = next(t for t in role_tasks(role, tasks_file) if t.get("name") == task_name)
     value: Any = task
     for key in path:
         value = value[key]

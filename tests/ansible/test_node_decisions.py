@@ -12,10 +12,9 @@ import re
 from typing import Any
 
 import pytest
-import yaml
 from ansible.template import trust_as_template
 
-from tests.ansible.conftest import ROLES_DIR, render, render_template, task_expression
+from tests.ansible.conftest import ROLES_DIR, render, render_template, role_tasks, task_expression
 from tests.ansible.conftest import gpu_node as _gpu_node_fixture  # noqa: F401 (the fixture below wraps it)
 
 
@@ -33,16 +32,8 @@ def gpu_node(_gpu_node_fixture):  # noqa: F811
     return make
 
 
-def _tasks(role: str, tasks_file: str) -> list[dict[str, Any]]:
-    flat = []
-    for task in yaml.safe_load((ROLES_DIR / role / "tasks" / tasks_file).read_text()):
-        flat.append(task)
-        flat.extend(task.get("block", []))
-    return flat
-
-
 def task(role: str, tasks_file: str, name: str) -> dict[str, Any]:
-    return next(t for t in _tasks(role, tasks_file) if t.get("name") == name)
+    return next(t for t in role_tasks(role, tasks_file) if t.get("name") == name)
 
 
 def evaluate(role: str, tasks_file: str, name: str, key: str, variables: dict[str, Any]) -> Any:
@@ -226,7 +217,7 @@ def test_only_fabric_manager_may_be_downgraded(gpu_node):
     downgrading = [
         (path.parent.parent.name, path.name, t.get("name"))
         for path in sorted(ROLES_DIR.glob("*/tasks/*.yml"))
-        for t in _tasks(path.parent.parent.name, path.name)
+        for t in role_tasks(path.parent.parent.name, path.name)
         if (t.get("ansible.builtin.apt") or {}).get("allow_downgrade")
     ]
     assert downgrading == [("nvidia", "fabricmanager.yml", "Install Fabric Manager at the driver's version")]
@@ -295,7 +286,7 @@ def test_a_driver_installed_without_a_reboot_is_loaded_and_the_hardware_read_aga
         assert evaluate("nvidia", "driver.yml", load, "when", scope) is loads
     # the hardware facts were read before the driver existed: read again by the hardware role's own tasks,
     # after the reboot or the load and before anything reads the driver, only where a driver was installed
-    names = [t.get("name") for t in _tasks("nvidia", "driver.yml")]
+    names = [t.get("name") for t in role_tasks("nvidia", "driver.yml")]
     refresh = "Read the hardware again with the new driver loaded"
     assert task("nvidia", "driver.yml", refresh)["ansible.builtin.include_role"] == {"name": "hardware"}
     assert names.index("Reboot to load the new driver") < names.index(load) < names.index(refresh)
