@@ -2,8 +2,12 @@
 
 After every optimizer step each rank rewrites one file, `<metrics.prometheus_dir>/fsdp-trainer-<job>-
 rank<R>.prom` (written to a temporary name, then renamed, so a scrape never reads half a file), and
-removes it when training ends. Node exporter serves it with the node's own metrics, so Prometheus
-finds every rank of every job without knowing ports or ranks in advance.
+removes it when training ends. Under Slurm `<job>` is the Slurm job id, not the run id: a worker
+killed mid-step cannot remove its file, and the batch script's next attempt (a new run id) then
+rewrites the same file and removes it at the end instead of leaving a copy exported for ever.
+
+Node exporter serves the files with the node's own metrics, so Prometheus finds every rank of every job
+without knowing ports or ranks in advance.
 
 Why the textfile collector and not an HTTP port per rank: the node exporter is already scraped on
 every node (its `up` is checked), nothing in the training process listens on a socket (no port to
@@ -52,7 +56,8 @@ class RankMetrics:
         self.cfg, self.runtime = cfg, runtime
         self.job = os.environ.get("TORCHELASTIC_RUN_ID") or "standalone"
         self.labels = {"job": self.job, "rank": str(runtime.rank), "host": socket.gethostname()}
-        name = f"fsdp-trainer-{_safe(self.job)}-rank{runtime.rank}.prom"
+        owner = os.environ.get("SLURM_JOB_ID") or self.job  # one file per rank for every attempt of a job
+        name = f"fsdp-trainer-{_safe(owner)}-rank{runtime.rank}.prom"
         self.path = Path(cfg.prometheus_dir) / name if cfg.prometheus_dir else None
         self._leaked: list[bytearray] = []
 

@@ -1,9 +1,9 @@
 """The whole job on the local target, with real nodes: `fsdpctl demo --keep` (up -> configure ->
-deploy -> smoke) on 2 systemd-nspawn nodes in 198.18.3.0/24, then the failure paths on the same
-cluster (wrong MTU, a node down), then `down` and a look at the host for leftovers.
+deploy -> smoke) on 2 systemd-nspawn nodes, then the failure paths on the same cluster (wrong MTU, a
+node down), then `down` and a look at the host for leftovers.
 
-One cluster for the module (bringing one up, configuring and deploying costs minutes); the tests run
-in file order and break the cluster only at the end.
+The demo's cluster is the session's shared one (tests/local/demo_cluster.py); the tests that break it
+run after every other test that uses it.
 """
 
 from __future__ import annotations
@@ -13,38 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.local.conftest import fsdpctl, host_leftovers, read_state, require_local_prerequisites
+from tests.local.conftest import fsdpctl, host_leftovers, read_state
+from tests.local.demo_cluster import NAME, DemoCluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
-
-NAME = "lifecycle-test"
-SUBNET = "198.18.3.0/24"  # the lifecycle area's subnet
-SMOKE_STEPS = "12"
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory) -> Path:
-    require_local_prerequisites()
-    return tmp_path_factory.mktemp("fsdpctl-home")
-
-
-@pytest.fixture(scope="module")
-def demo(home: Path):
-    """`fsdpctl demo --keep` on 2 nodes; the cluster is torn down after the module whatever happens."""
-    spec = home.parent / f"{NAME}.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
-        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
-        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}}))
-    try:
-        result = fsdpctl(home, "demo", str(spec), "--nodes", "2", "--keep", "--smoke-steps", SMOKE_STEPS,
-                         timeout=1500, check=False)
-        local = read_state(home, NAME).get("local") if (home / "clusters" / NAME).exists() else None
-        yield result, local
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, timeout=300, check=False)
 
 
 def _run_dir(home: Path, kind: str) -> Path:
@@ -53,6 +26,7 @@ def _run_dir(home: Path, kind: str) -> Path:
 
 
 def _report(home: Path) -> dict:
+    """The newest smoke report."""
     return json.loads((_run_dir(home, "smoke") / "report.json").read_text())
 
 
@@ -61,12 +35,11 @@ def _check(report: dict, name: str) -> dict:
 
 
 @pytest.mark.timeout(1500)
-def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo, home):
-    result, _ = demo
-    assert result.returncode == 0, f"demo failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo: DemoCluster):
+    home, result = demo.home, demo.result
     for stage in ("up", "configure", "deploy", "smoke"):
         assert f"fsdpctl {stage}" in result.stdout
-    report = _report(home)
+    report = json.loads((demo.smoke_run_dir / "report.json").read_text())
     assert report["passed"] and report["failed"] == []
     assert report["scheduler"] == "slurm"  # the demo's fsdp and recovery checks ran as Slurm jobs
     assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
@@ -77,12 +50,11 @@ def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo, home):
         assert any(line.split()[:2] == [check["name"], "PASS"] for line in result.stdout.splitlines())
     # The report is written outside the cluster's state dir, so `down` leaves it, and the state
     # points at it.
-    assert read_state(home, NAME)["last_report"] == str(_run_dir(home, "smoke"))
-    assert f"smoke report: {_run_dir(home, 'smoke')}/report.html" in result.stdout
+    assert read_state(home, NAME)["last_report"] == str(_run_dir(home, "smoke")) == str(demo.smoke_run_dir)
 
 
-def test_report_carries_the_measurements(demo, home):
-    report = _report(home)
+def test_report_carries_the_measurements(demo: DemoCluster):
+    report = json.loads((demo.smoke_run_dir / "report.json").read_text())
     inventory = _check(report, "inventory")["details"]
     assert inventory["expected_mtu"] == 9000
     assert all(node["mtu"] == 9000 and node["interface"] == "eth0" for node in inventory["nodes"].values())
@@ -104,21 +76,22 @@ def test_report_carries_the_measurements(demo, home):
     assert recovery["resumed_at_step"] > 1
     assert (recovery["resumed_at_step"] - 1) % recovery["checkpoint_interval"] == 0
 
-    page = (_run_dir(home, "smoke") / "report.html").read_text()
+    page = (demo.smoke_run_dir / "report.html").read_text()
     # bandwidth, loss and peak memory per rank; utilisation, network, memory over steps and tokens/s
     # measured on each rank (the monitoring check)
     assert page.count("data:image/png;base64,") == 7
 
 
-def test_second_deploy_reuses_the_wheelhouse_and_the_venvs(demo, home):
-    result = fsdpctl(home, "deploy", "--cluster", NAME, timeout=300)
+def test_second_deploy_reuses_the_wheelhouse_and_the_venvs(demo: DemoCluster):
+    result = fsdpctl(demo.home, "deploy", "--cluster", NAME, timeout=300)
     assert "wheelhouse cached" in result.stdout  # on this machine
     assert "via node 0: wheelhouse cached" in result.stdout  # on the shared file system
     # Nothing but the trainer wheel is reinstalled, and that only if the checkout changed meanwhile.
     assert result.stdout.count("already installed") + result.stdout.count("trainer updated") == 2
 
 
-def test_scale_test_measures_strong_and_weak_scaling_over_1_and_2_nodes(demo, home):
+def test_scale_test_measures_strong_and_weak_scaling_over_1_and_2_nodes(demo: DemoCluster):
+    home = demo.home
     result = fsdpctl(home, "scale-test", "--cluster", NAME, "--steps", "4", timeout=600)
     run_dir = _run_dir(home, "scale-test")
     data = json.loads((run_dir / "scaling.json").read_text())
@@ -142,7 +115,8 @@ def _smoke_inventory_only(home: Path):
                    "--skip", "recovery", timeout=120, check=False)
 
 
-def test_smoke_fails_naming_inventory_when_a_node_has_the_wrong_mtu(demo, home):
+def test_smoke_fails_naming_inventory_when_a_node_has_the_wrong_mtu(demo: DemoCluster):
+    home = demo.home
     fsdpctl(home, "ssh", "1", "--", "ip link set eth0 mtu 1500", timeout=60)
     try:
         result = _smoke_inventory_only(home)
@@ -156,7 +130,9 @@ def test_smoke_fails_naming_inventory_when_a_node_has_the_wrong_mtu(demo, home):
     assert inventory["details"]["nodes"]["0"]["mtu"] == 9000
 
 
-def test_smoke_fails_naming_inventory_when_a_node_is_down(demo, home):
+@pytest.mark.ends_demo_cluster
+def test_smoke_fails_naming_inventory_when_a_node_is_down(demo: DemoCluster):
+    home = demo.home
     fsdpctl(home, "ssh", "1", "--", "systemctl poweroff", timeout=60, check=False)
     deadline = time.monotonic() + 60
     while fsdpctl(home, "ssh", "1", "--", "true", timeout=60, check=False).returncode == 0:
@@ -172,8 +148,9 @@ def test_smoke_fails_naming_inventory_when_a_node_is_down(demo, home):
         assert _check(report, name)["status"] == "skip"
 
 
-def test_down_leaves_nothing_behind(demo, home):
-    _, local = demo
+@pytest.mark.ends_demo_cluster
+def test_down_leaves_nothing_behind(demo: DemoCluster):
+    home, local = demo.home, demo.local
     assert local, "the demo did not record its local nodes"
     reports = sorted(p.name for p in (home / "reports" / NAME).iterdir())
     fsdpctl(home, "down", "--yes", "--cluster", NAME, timeout=300)

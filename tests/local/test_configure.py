@@ -1,7 +1,10 @@
 """The real playbook on two real local nodes through `fsdpctl configure`, checked from outside over SSH;
 each node then reaches the other over SSH by name and by address with the intra-cluster key, without a
-prompt (what mpirun needs); then idempotence (a second run changes nothing) and a failing task named with
-its host."""
+prompt (what mpirun needs); then idempotence (a second run changes nothing, also after a deploy and a
+smoke test), check mode, cancelling, and a failing task named with its host.
+
+The nodes are the session's demo cluster (tests/local/demo_cluster.py): its first configure is the
+demo's configure stage."""
 
 from __future__ import annotations
 
@@ -19,38 +22,28 @@ from fsdpctl import remote
 from fsdpctl.configure import run_configure
 from fsdpctl.state import cluster_state
 from fsdpctl.targets.local import keeper
-from tests.local.conftest import REPO, fsdpctl, spec_file
+from tests.local.conftest import REPO, fsdpctl
+from tests.local.demo_cluster import ADDRESSES, NAME, NODES, DemoCluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-NAME = "lnt-conf"
-NODES = [f"{NAME}-node0", f"{NAME}-node1"]
-ADDRESSES = ["198.18.1.2", "198.18.1.3"]
 GPU_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect")
 # BatchMode: fail instead of asking for a password or a host-key confirmation
 NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 RECAP = re.compile(r"^(\S+) ok=(\d+) changed=(\d+) failed=(\d+) skipped=(\d+)", re.MULTILINE)
 
 
-@pytest.fixture(scope="module")
-def cluster(prerequisites, tmp_path_factory):
-    if not (REPO / "ansible/site.yml").exists():
-        pytest.fail("ansible/site.yml does not exist")
-    home = tmp_path_factory.mktemp("home")
-    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME)
-    try:
-        fsdpctl(home, "up", str(spec), "--target", "local")
-        yield home
-    finally:
-        fsdpctl(home, "down", "--yes", "--cluster", NAME, check=False)
+@pytest.fixture
+def cluster(demo: DemoCluster) -> Path:
+    """FSDPCTL_HOME of the configured cluster."""
+    return demo.home
 
 
-@pytest.fixture(scope="module")
-def first_run(cluster):
-    """The first `fsdpctl configure`: (process result, recap per host)."""
-    result = fsdpctl(cluster, "configure", check=False)
-    recap = {m[0]: tuple(map(int, m[1:])) for m in RECAP.findall(result.stdout)}
-    return result, recap
+@pytest.fixture
+def first_run(demo: DemoCluster) -> tuple[str, dict[str, tuple[int, ...]]]:
+    """The first configure (the demo's stage): (what it printed, recap per host)."""
+    output = demo.stage_output("configure")
+    return output, {m[0]: tuple(map(int, m[1:])) for m in RECAP.findall(output)}
 
 
 @pytest.fixture
@@ -60,13 +53,12 @@ def state(cluster, monkeypatch):
 
 
 def test_configure_succeeds_with_progress_and_a_recap_per_host(first_run):
-    result, recap = first_run
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert set(recap) == set(NODES)
+    output, recap = first_run
+    assert set(recap) == set(NODES), output[-4000:]
     for host, (ok, changed, failed, _skipped) in recap.items():
         assert failed == 0 and changed > 0 and ok >= changed, host
     # progress: one line per task result, naming status, host and role : task
-    assert re.search(rf"^\s+changed\s+{NODES[0]}\s+network : ", result.stdout, re.MULTILINE)
+    assert re.search(rf"^\s+changed\s+{NODES[0]}\s+network : ", output, re.MULTILINE)
 
 
 def test_mtu_9000_live_and_persisted(first_run, state):
@@ -115,9 +107,9 @@ def test_jumbo_ping_with_dont_fragment_crosses_between_nodes(first_run, state):
 
 
 def test_gpu_roles_report_skipped_not_ok(first_run, state):
-    result, _ = first_run
+    output, _ = first_run
     for role in GPU_ROLES:
-        lines = [line for line in result.stdout.splitlines() if re.search(rf"\s{role} : ", line)]
+        lines = [line for line in output.splitlines() if re.search(rf"\s{role} : ", line)]
         statuses = {line.split()[0] for line in lines}
         assert "skipped" in statuses, (role, lines)
         assert not statuses & {"changed", "failed"}, (role, lines)

@@ -149,6 +149,7 @@ def _record(step: int) -> StepRecord:
 
 
 def test_rank_metrics_writes_one_prometheus_file_per_rank_and_removes_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "fsdp-1234")
     exporter = RankMetrics.create(MetricsConfig(prometheus_dir=str(tmp_path)), _runtime())
     exporter.update(_record(7))
@@ -164,6 +165,20 @@ def test_rank_metrics_writes_one_prometheus_file_per_rank_and_removes_it(tmp_pat
     assert samples["fsdp_trainer_peak_memory_bytes"].endswith(" 222")  # this rank's entry
     assert samples["fsdp_trainer_grad_sync_share"].endswith(" nan")
     exporter.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_retried_slurm_step_rewrites_the_file_its_killed_attempt_left(tmp_path, monkeypatch):
+    # The batch script's attempts run under run ids JOB-RUN-ATTEMPT; a killed worker's file stays behind.
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "42-0-0")
+    RankMetrics.create(MetricsConfig(prometheus_dir=str(tmp_path)), _runtime()).update(_record(3))  # killed
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "42-0-1")
+    retry = RankMetrics.create(MetricsConfig(prometheus_dir=str(tmp_path)), _runtime())
+    retry.update(_record(4))
+    (file,) = tmp_path.iterdir()
+    assert file.name == "fsdp-trainer-42-rank1.prom" and 'job="42-0-1"' in file.read_text()
+    retry.close()
     assert list(tmp_path.iterdir()) == []
 
 

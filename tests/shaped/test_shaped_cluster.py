@@ -1,9 +1,9 @@
-"""The GPU/EFA/CUDA/NCCL/GDRCopy/storage roles run for real on two local nodes shaped like Deep Learning
-AMI p4d nodes (tests/shaped/dlami.py, given to the local target through FSDPCTL_LOCAL_NODE_LAYER): check
+"""The GPU/EFA/CUDA/NCCL/GDRCopy/storage roles run for real on a local node shaped like a Deep Learning
+AMI p4d node (tests/shaped/dlami.py, given to the local target through FSDPCTL_LOCAL_NODE_LAYER): check
 mode first on the fresh image, then `fsdpctl configure` twice. The first run goes through every hardware
 role's tasks (no hardware skip) and adopts what the image brings instead of downgrading it; the second
-changes nothing. Checked from outside over SSH. Then variants, each a cheap `--tags nccl` run on one
-node that ends where it started: a lower NCCL pin (kept, never downgraded), an older NCCL held by an
+changes nothing. Checked from outside over SSH. Then variants, each a cheap `--tags nccl` run that ends
+where it started: a lower NCCL pin (kept, never downgraded), an older NCCL held by an
 earlier run (upgraded over its hold), and aws-ofi-nccl removed (the run fails naming the package)."""
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 NAME = "hw-shape"
 SUBNET = "198.18.40.0/24"
-NODES = [f"{NAME}-node0", f"{NAME}-node1"]
+# One node: the hardware roles configure each node alone; what the roles do between nodes (SSH, hosts, MTU)
+# runs on the plain 2-node cluster of tests/local/test_configure.py.
+NODES = [f"{NAME}-node0"]
 HARDWARE_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect", "storage")
 # What the two configure runs apply: the base roles and the hardware ones. The slurm and monitoring
 # roles run on plain local nodes (tests/slurm, tests/monitoring); this layer has no stand-ins for
@@ -67,7 +69,7 @@ def cluster(prerequisites, tmp_path_factory):
     work = tmp_path_factory.mktemp("shape")
     layer = dlami.build_layer(work / "layer", "p4d.24xlarge", work)
     home = tmp_path_factory.mktemp("home")
-    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, local={"subnet_cidr": SUBNET})
+    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, node_count=1, local={"subnet_cidr": SUBNET})
     with shaped_cluster(home, NAME, spec, layer, dlami.BAKE) as home_and_state:
         yield home_and_state
 
@@ -329,20 +331,20 @@ def test_an_efa_node_without_aws_ofi_nccl_fails_naming_the_package(cluster, seco
     # without the efa role in the play the nccl role reads the node itself; a guessed aws-ofi-nccl version
     # would write an environment for a plugin that is not there
     home, state = cluster
-    remote.run(state, 1, "dpkg -r libnccl-ofi >/dev/null", timeout=60)
+    remote.run(state, 0, "dpkg -r libnccl-ofi >/dev/null", timeout=60)
     try:
-        broken = configure_nccl(home, 1)
+        broken = configure_nccl(home, 0)
     finally:
         remote.run(
-            state, 1, f"dpkg -i {dlami.IMAGE_DEBS}/libnccl-ofi_1.18.0-1_amd64.deb >/dev/null", timeout=60
+            state, 0, f"dpkg -i {dlami.IMAGE_DEBS}/libnccl-ofi_1.18.0-1_amd64.deb >/dev/null", timeout=60
         )
     assert broken.returncode != 0, broken.stdout[-5000:]
-    assert results(broken.stdout)[(NODES[1], "nccl", "Fail without aws-ofi-nccl on an EFA node")] == {
+    assert results(broken.stdout)[(NODES[0], "nccl", "Fail without aws-ofi-nccl on an EFA node")] == {
         "failed"
     }
     message = " ".join(broken.stdout.split())
     assert "the aws-ofi-nccl package libnccl-ofi is not installed and libfabric is 2.4.0" in message
     assert "Install them with the EFA installer, which ships the libnccl-ofi package" in message
     # the environment the earlier runs wrote for the node's plugin is left as it was
-    env = remote.run(state, 1, "head -3 /etc/fsdp-cluster/nccl.env").stdout
+    env = remote.run(state, 0, "head -3 /etc/fsdp-cluster/nccl.env").stdout
     assert "aws-ofi-nccl 1.18.0" in env, env

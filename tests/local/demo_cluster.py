@@ -1,0 +1,96 @@
+"""One configured cluster for every test that only needs one: `fsdpctl demo --keep` (up -> configure ->
+deploy -> smoke) on 2 local nodes in 198.18.3.0/24, made once per test session and shared by the
+lifecycle, configure and monitoring tests (a fixture of the whole session, so also when one of those
+modules runs alone).
+
+`make test` runs the node tests with `--dist loadgroup`: the tests using this cluster form one group,
+which runs on one worker, and every other node or slow test file is a group of its own (its module
+fixture boots the nodes its tests share, in a subnet of its own). A test that breaks the cluster is
+marked `ends_demo_cluster` and runs after every other test.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites
+
+NAME = "demo-test"
+SUBNET = "198.18.3.0/24"
+NODES = [f"{NAME}-node0", f"{NAME}-node1"]
+ADDRESSES = ["198.18.3.2", "198.18.3.3"]
+SMOKE_STEPS = 40
+"""The smoke run's steps: the monitoring check fits each rank's memory over the logged steps (30 of 40)."""
+GROUP = "demo-cluster"
+
+
+@dataclass(frozen=True)
+class DemoCluster:
+    home: Path
+    """FSDPCTL_HOME of the cluster."""
+    result: subprocess.CompletedProcess
+    """`fsdpctl demo --keep`, as it ended."""
+    local: dict | None
+    """The state's record of the local nodes right after the demo (None if it made none)."""
+
+    def stage_output(self, stage: str) -> str:
+        """What the demo printed for one of its stages (up, configure, deploy, smoke)."""
+        parts = re.split(r"^==> \[demo\] ", self.result.stdout, flags=re.MULTILINE)
+        return next(part for part in parts if re.match(rf"\d+/\d+ fsdpctl {stage}\b", part))
+
+    @property
+    def smoke_run_dir(self) -> Path:
+        """The run directory of the demo's smoke test (later smoke runs write others)."""
+        match = re.search(r"^\s*smoke report: (\S+)/report\.html", self.result.stdout, re.MULTILINE)
+        assert match, self.result.stdout[-3000:]
+        return Path(match[1])
+
+
+@pytest.fixture(scope="session")
+def demo_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoCluster]:
+    """The demo's cluster, kept up for the session and torn down after it whatever happens."""
+    require_local_prerequisites()
+    home = tmp_path_factory.mktemp("demo-home")
+    spec = home.parent / f"{NAME}.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
+        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
+        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}}))
+    try:
+        result = fsdpctl(home, "demo", str(spec), "--nodes", "2", "--keep", "--smoke-steps", str(SMOKE_STEPS),
+                         timeout=1500, check=False)
+        local = read_state(home, NAME).get("local") if (home / "clusters" / NAME).exists() else None
+        yield DemoCluster(home, result, local)
+    finally:
+        fsdpctl(home, "down", "--yes", "--cluster", NAME, timeout=300, check=False)
+
+
+@pytest.fixture(scope="session")
+def demo(demo_cluster: DemoCluster) -> DemoCluster:
+    """The demo's cluster; an error naming what the demo said for every test using it if it did not get
+    through."""
+    result = demo_cluster.result
+    assert result.returncode == 0, f"demo failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
+    return demo_cluster
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]):
+    # Before the other implementations (xdist's reads the groups): the node and slow tests' groups.
+    for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        if "xdist_group" in marks or not {"root", "slow"} & marks:
+            continue
+        group = GROUP if "demo_cluster" in item.fixturenames else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    result = yield
+    # After them (pytest's own reordering by fixture included): the tests that break the cluster last.
+    items.sort(key=lambda item: item.get_closest_marker("ends_demo_cluster") is not None)
+    return result
