@@ -40,14 +40,14 @@ check: $(STAMP) lint
 	$(BIN)/pytest -q -m "not root and not slow" -n auto
 
 # Everything: first the tests that boot no node and are not slow, on every core (as `make check`),
-# then the slow ones and those on local nodes, NODE_TEST_WORKERS groups at a time: the tests that share
-# the session's demo cluster are one group, every other file is one (its module fixture boots the nodes
-# its tests share, in a subnet of its own): tests/local/demo_cluster.py. Node tests mostly wait on
-# boots, Slurm and timeouts, so two workers pay off even on 2 cores.
+# then the slow ones and those on local nodes, NODE_TEST_WORKERS test files at a time (a file's tests
+# stay on one worker, as its module fixture boots the nodes they share, in a subnet of its own; the files
+# that share the session's demo cluster count as one: tests/local/demo_cluster.py). Node tests mostly
+# wait on boots, Slurm and timeouts, so two workers pay off even on 2 cores.
 NODE_TEST_WORKERS ?= 2
 test: $(STAMP) host-packages lint
 	$(BIN)/pytest -m "not root and not slow" -n auto
-	$(BIN)/pytest -m "root or slow" -n $(NODE_TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest -m "root or slow" -n $(NODE_TEST_WORKERS) --dist loadfile
 
 # On a machine with 1+ NVIDIA GPUs (docs/gpu-check.md): uses the Python that has CUDA torch (PYTHON=...),
 # not the CPU venv above. OUT=DIR for the results, GPU_CHECK_ARGS='--dry-run' etc. for the options.

@@ -3,10 +3,11 @@ deploy -> smoke) on 2 local nodes in 198.18.3.0/24, made once per test session a
 lifecycle, configure and monitoring tests (a fixture of the whole session, so also when one of those
 modules runs alone).
 
-`make test` runs the node tests with `--dist loadgroup`: the tests using this cluster form one group,
-which runs on one worker, and every other node or slow test file is a group of its own (its module
-fixture boots the nodes its tests share, in a subnet of its own). A test that breaks the cluster is
-marked `ends_demo_cluster` and runs after every other test.
+`make test` runs the node tests with `--dist loadfile` (each file on one worker: its module fixture boots
+the nodes its tests share, in a subnet of its own); here the files in SHARING_MODULES count as one file,
+so they run on one worker and share one cluster. (pytest-xdist's own `--dist loadgroup` cannot do this
+under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads.) A test that breaks the
+cluster is marked `ends_demo_cluster` and runs after every other test.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from xdist.scheduler import LoadFileScheduling
 
 from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites
 
@@ -28,7 +30,9 @@ NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 ADDRESSES = ["198.18.3.2", "198.18.3.3"]
 SMOKE_STEPS = 40
 """The smoke run's steps: the monitoring check fits each rank's memory over the logged steps (30 of 40)."""
-GROUP = "demo-cluster"
+SHARING_MODULES = ("tests/lifecycle/test_local_lifecycle.py", "tests/local/test_configure.py",
+                   "tests/monitoring/test_local_monitoring.py")
+"""The test files that use the demo cluster: one unit of work under `--dist loadfile`."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +85,27 @@ def demo(demo_cluster: DemoCluster) -> DemoCluster:
     return demo_cluster
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]):
-    # Before the other implementations (xdist's reads the groups): the node and slow tests' groups.
-    for item in items:
-        marks = {mark.name for mark in item.iter_markers()}
-        if "xdist_group" in marks or not {"root", "slow"} & marks:
-            continue
-        group = GROUP if "demo_cluster" in item.fixturenames else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
-    result = yield
-    # After them (pytest's own reordering by fixture included): the tests that break the cluster last.
+class _SharedClusterFileScheduling(LoadFileScheduling):
+    """pytest-xdist's loadfile, except that SHARING_MODULES are one unit of work."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = super()._split_scope(nodeid)
+        return "demo-cluster" if path in SHARING_MODULES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") == "loadfile":
+        return _SharedClusterFileScheduling(config, log)
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unlisted = sorted({item.nodeid.split("::")[0] for item in items if "demo_cluster" in item.fixturenames}
+                      - set(SHARING_MODULES))
+    if unlisted:
+        raise pytest.UsageError(f"{', '.join(unlisted)} use the demo cluster: add them to SHARING_MODULES in "
+                                "tests/local/demo_cluster.py, so that they run on the worker that holds it")
+    # After pytest's own reordering by fixture: the tests that break the cluster last.
     items.sort(key=lambda item: item.get_closest_marker("ends_demo_cluster") is not None)
-    return result
