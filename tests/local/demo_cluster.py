@@ -6,8 +6,9 @@ modules runs alone).
 `make test` runs the node tests with `--dist loadfile` (each file on one worker: its module fixture boots
 the nodes its tests share, in a subnet of its own); here the files in SHARING_MODULES count as one file,
 so they run on one worker and share one cluster. (pytest-xdist's own `--dist loadgroup` cannot do this
-under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads.) A test that breaks the
-cluster is marked `ends_demo_cluster` and runs after every other test.
+under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads, so it groups nothing;
+pytest-dev/pytest-xdist#1386.) A test that breaks the cluster is marked `ends_demo_cluster` and runs
+after every other test.
 """
 
 from __future__ import annotations
