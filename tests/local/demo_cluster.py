@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import yaml
 from xdist.scheduler import LoadFileScheduling
 
-from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites
+from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites, spec_file
 
 NAME = "demo-test"
 SUBNET = "198.18.3.0/24"
@@ -63,11 +62,7 @@ def demo_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoClust
     """The demo's cluster, kept up for the session and torn down after it whatever happens."""
     require_local_prerequisites()
     home = tmp_path_factory.mktemp("demo-home")
-    spec = home.parent / f"{NAME}.yaml"
-    spec.write_text(yaml.safe_dump({
-        "name": NAME, "region": "us-east-1", "availability_zone": "us-east-1b",
-        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
-        "local": {"subnet_cidr": SUBNET, "nproc_per_node": 1}}))
+    spec = spec_file(home.parent, NAME, local={"subnet_cidr": SUBNET, "nproc_per_node": 1})
     try:
         result = fsdpctl(home, "demo", str(spec), "--nodes", "2", "--keep", "--smoke-steps", str(SMOKE_STEPS),
                          timeout=1500, check=False)
