@@ -39,7 +39,7 @@ def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo: DemoCluster):
     home, result = demo.home, demo.result
     for stage in ("up", "configure", "deploy", "smoke"):
         assert f"fsdpctl {stage}" in result.stdout
-    report = json.loads((demo.smoke_run_dir / "report.json").read_text())
+    report = demo.smoke_report
     assert report["passed"] and report["failed"] == []
     assert report["scheduler"] == "slurm"  # the demo's fsdp and recovery checks ran as Slurm jobs
     assert [c["name"] for c in report["checks"]] == ["inventory", "bandwidth", "fsdp", "monitoring",
@@ -54,7 +54,7 @@ def test_demo_brings_up_deploys_and_passes_every_smoke_check(demo: DemoCluster):
 
 
 def test_report_carries_the_measurements(demo: DemoCluster):
-    report = json.loads((demo.smoke_run_dir / "report.json").read_text())
+    report = demo.smoke_report
     inventory = _check(report, "inventory")["details"]
     assert inventory["expected_mtu"] == 9000
     assert all(node["mtu"] == 9000 and node["interface"] == "eth0" for node in inventory["nodes"].values())

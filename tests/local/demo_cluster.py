@@ -13,6 +13,7 @@ after every other test.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from collections.abc import Iterator
@@ -55,6 +56,11 @@ class DemoCluster:
         match = re.search(r"^\s*smoke report: (\S+)/report\.html", self.result.stdout, re.MULTILINE)
         assert match, self.result.stdout[-3000:]
         return Path(match[1])
+
+    @property
+    def smoke_report(self) -> dict:
+        """The demo's smoke report (report.json of its run directory)."""
+        return json.loads((self.smoke_run_dir / "report.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -166,7 +166,7 @@ def test_every_dashboard_query_is_valid_promql_that_prometheus_answers(state, le
 
 def test_smoke_report_carries_the_monitoring_check(demo: DemoCluster):
     # The leak fit reads the run's logged steps (the smoke run logs every one): 40 steps fit 30
-    report = json.loads((demo.smoke_run_dir / "report.json").read_text())
+    report = demo.smoke_report
     check = next(c for c in report["checks"] if c["name"] == "monitoring")
     assert check["status"] == "pass", check["summary"]
     assert report["scheduler"] == "slurm"
