@@ -95,7 +95,7 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     path.chmod(mode)
 
 
-def _bridge_owner(bridge: str) -> Path | None:
+def bridge_owner(bridge: str) -> Path | None:
     """The state directory of the cluster that made `bridge`, from the alias `up` gives it; None for
     a bridge of an fsdpctl older than the alias."""
     alias = Path(f"/sys/class/net/{bridge}/ifalias").read_text().strip()
@@ -127,7 +127,7 @@ def _orphan_bridges(subnet: ipaddress.IPv4Network | ipaddress.IPv6Network) -> di
                    for link_info in json.loads(_sh("ip", "-j", "-4", "addr", "show", "dev", link.name).stdout)
                    for a in link_info["addr_info"]):
             continue
-        owner = _bridge_owner(link.name)
+        owner = bridge_owner(link.name)
         if owner is None:
             orphans[link.name] = "an older fsdpctl, for a cluster whose nodes are gone"
         elif not _owner_uses(owner, link.name):
@@ -138,7 +138,7 @@ def _orphan_bridges(subnet: ipaddress.IPv4Network | ipaddress.IPv6Network) -> di
 def _owner_hint(route: list[str]) -> str:
     """For a route on another local cluster's bridge: how to take that cluster down."""
     device = route[route.index("dev") + 1] if "dev" in route else ""
-    owner = _bridge_owner(device) if BRIDGE_NAME.fullmatch(device) else None
+    owner = bridge_owner(device) if BRIDGE_NAME.fullmatch(device) else None
     if owner is None:
         return ""
     return (f" (cluster {owner.name}'s bridge: `FSDPCTL_HOME={home_of(owner)} fsdpctl down "
