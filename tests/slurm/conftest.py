@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdpctl import remote
+from fsdpctl.state import ClusterState
 from tests.ansible.conftest import detect_hardware, node_variables, sysfs_tree
 from tests.local.conftest import fsdpctl, require_local_prerequisites
 
@@ -28,6 +30,26 @@ def wait_for(predicate, what: str, timeout: float = WAIT_TIMEOUT_S, interval: fl
             return value
         time.sleep(interval)
     raise AssertionError(f"{what} did not happen within {timeout} s")
+
+
+# What the tests ask again and again while they wait (a node's Slurm state, a job's state) they ask from
+# this process, through the functions the CLI calls: starting `fsdpctl` for every ask costs about half a
+# CPU-second of imports, and a wait asks every second on a machine that the node tests keep busy. What a
+# test asserts once they still read from the CLI, as a user would.
+
+def cluster_state(home: Path, name: str) -> ClusterState:
+    return ClusterState(name=name, root=home / "clusters" / name)
+
+
+def on_node(home: Path, name: str, rank: int, command: str) -> str:
+    """The output of `command` on node `rank`, as `fsdpctl ssh RANK -- COMMAND` runs it."""
+    return remote.run(cluster_state(home, name), rank, command, timeout=120).stdout
+
+
+def slurm_node_states(home: Path, name: str) -> dict[str, tuple[str, str]]:
+    """Each node's Slurm state and reason, as sinfo on the controller gives them."""
+    out = on_node(home, name, 0, "sinfo --noheader --Node --format '%N|%T|%E'")
+    return {n: (s, r) for n, s, r in (line.split("|", 2) for line in out.splitlines() if "|" in line)}
 
 
 @contextlib.contextmanager

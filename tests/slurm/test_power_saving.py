@@ -20,7 +20,7 @@ import pytest
 
 from fsdpctl.processes import processes
 from tests.local.conftest import fsdpctl, read_state
-from tests.slurm.conftest import slurm_cluster, wait_for
+from tests.slurm.conftest import on_node, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -50,8 +50,8 @@ def on_controller(cluster, command: str, check: bool = True) -> subprocess.Compl
 
 
 def node_states(cluster) -> dict[str, tuple[str, str]]:
-    out = on_controller(cluster, "sinfo --noheader --Node --format '%N|%T|%E'").stdout
-    return {n: (s, r) for n, s, r in (line.split("|", 2) for line in out.splitlines() if "|" in line)}
+    home, _ = cluster
+    return slurm_node_states(home, NAME)
 
 
 def local_record(cluster) -> dict:
@@ -79,8 +79,8 @@ def submit(cluster, script: str) -> int:
 
 
 def job_state(cluster, job_id: int) -> str:
-    out = on_controller(cluster, f"squeue --noheader --states=all --jobs {job_id} --format %T").stdout
-    return out.strip()
+    home, _ = cluster
+    return on_node(home, NAME, 0, f"squeue --noheader --states=all --jobs {job_id} --format %T").strip()
 
 
 def test_the_idle_cloud_node_is_powered_down_and_its_processes_are_gone(cluster):

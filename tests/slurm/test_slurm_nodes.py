@@ -19,6 +19,7 @@ The tests run in file order (the last ones drain nodes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -27,8 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdpctl import slurm
 from tests.local.conftest import fsdpctl, read_state
-from tests.slurm.conftest import slurm_cluster, wait_for
+from tests.slurm.conftest import cluster_state, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -58,8 +60,8 @@ def ssh(cluster, rank: int, command: str, check: bool = True):
 
 
 def node_states(cluster) -> dict[str, tuple[str, str]]:
-    out = ssh(cluster, 0, "sinfo --noheader --Node --format '%N|%T|%E'").stdout
-    return {n: (s, r) for n, s, r in (line.split("|", 2) for line in out.splitlines() if "|" in line)}
+    home, _ = cluster
+    return slurm_node_states(home, NAME)
 
 
 def shared(cluster) -> Path:
@@ -74,9 +76,10 @@ def train(cluster, *args: str) -> int:
 
 
 def job(cluster, job_id: int) -> dict:
-    home, env = cluster
-    rows = json.loads(fsdpctl(home, "jobs", "--json", env=env).stdout)
-    return next(r for r in rows if r["job_id"] == job_id)
+    """The job's row of `fsdpctl jobs --json` (asked from this process: tests/slurm/conftest.py)."""
+    home, _ = cluster
+    rows = slurm.list_jobs(cluster_state(home, NAME).read())
+    return dataclasses.asdict(next(r for r in rows if r.job_id == job_id))
 
 
 def steps(metrics: Path) -> list[dict]:
@@ -116,6 +119,8 @@ def test_two_node_training_job_completes_and_loss_falls(cluster):
     script = (shared(cluster) / "fsdp-cluster/jobs/tiny-2n/job.sbatch").read_text()
     assert "#SBATCH --requeue" in script
     home, env = cluster
+    assert next(r for r in json.loads(fsdpctl(home, "jobs", "--json", env=env).stdout)
+                if r["job_id"] == job_id) == row
     log = fsdpctl(home, "logs", str(job_id), env=env).stdout
     assert f"job {job_id} run 0 on {NAME}-node[0-1]" in log and log.rstrip().endswith("completed")
     # The controller's job-completion log keeps the finished job (no accounting database).
