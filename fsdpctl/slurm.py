@@ -56,6 +56,10 @@ JOBS_DIR = "fsdp-cluster/jobs"
 """Under the cluster's shared directory."""
 NCCL_ENV_FILE = "/etc/fsdp-cluster/nccl.env"
 """The nccl role's environment file (absent where the role skipped, e.g. local nodes)."""
+PROMETHEUS_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
+"""The monitoring role's `monitoring_textfile_dir` (node exporter's textfile collector; absent where the role
+did not run): the trainer's ranks export their metrics there (`metrics.prometheus_dir`), and the slurm
+role's epilog removes what a killed rank left (`slurm_trainer_textfile_dir`)."""
 NODE_HEALTH_SCRIPT = "/usr/local/libexec/fsdp-cluster/node-health"
 """The slurm role's node health check (`slurm_health_script`), which the batch script runs on its nodes
 after a failed step to choose between a retry in the allocation and a requeue."""
@@ -85,6 +89,10 @@ class TrainJob:
     user's Python script); None: the trainer, with the fields above."""
     command: str | None = None
     """The user's own command line (`fsdpctl train --command`), run once per node instead of torchrun."""
+    prometheus_dir: str | None = None
+    """Node exporter's textfile directory: on each node where it exists, the trainer's ranks export their
+    metrics into it (`--set metrics.prometheus_dir`). None: not asked (a user's program, or a run that
+    chooses metrics.prometheus_dir itself)."""
 
     @property
     def script_path(self) -> str:
@@ -235,8 +243,16 @@ def submit(record: ClusterRecord, spec: ClusterSpec, config: str | None, *, comm
                    nproc=nproc_per_node(record, spec), gpus=_gpus_per_node(record, spec), venv=venv,
                    port=spec.trainer.master_port, steps=steps, checkpoint_interval=checkpoint_interval,
                    overrides=overrides, env=env or {}, max_requeues=max_requeues, module_args=module_args,
-                   command=command)
+                   command=command, prometheus_dir=metrics_export_dir(config, overrides))
     return submit_job(record, job), job
+
+
+def metrics_export_dir(config: str | None, overrides: list[str]) -> str | None:
+    """Where a job's trainer exports its metrics for Prometheus: node exporter's textfile directory for a
+    trainer run that does not choose metrics.prometheus_dir itself; None for a user's program."""
+    if config is None or any(o.startswith("metrics.prometheus_dir=") for o in overrides):
+        return None
+    return PROMETHEUS_TEXTFILE_DIR
 
 
 def _gpus_per_node(record: ClusterRecord, spec: ClusterSpec) -> int:

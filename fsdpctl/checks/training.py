@@ -17,7 +17,7 @@ from fsdpctl.checks.nccl_network import NcclNetwork
 from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, TorchrunJob, read_remote_metrics
 from fsdpctl.console import stage
 from fsdpctl.deploy import deployed_venv
-from fsdpctl.slurm import SlurmJob
+from fsdpctl.slurm import PROMETHEUS_TEXTFILE_DIR, SlurmJob
 from trainer.records import StepRecord, SummaryRecord
 
 _log = stage("smoke")
@@ -28,8 +28,6 @@ MEMORY_BALANCE_BOUND = 1.25
 # communication and computation share the same two cores).
 GRAD_SYNC_SHARE_BOUND = 0.15
 RECOVERY_TIMEOUT_S = 300
-# monitoring_textfile_dir of ansible/roles/monitoring (node exporter's textfile collector).
-PROMETHEUS_TEXTFILE_DIR = "/var/lib/prometheus/node-exporter"
 POLL_S = 0.25
 
 

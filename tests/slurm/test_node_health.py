@@ -79,7 +79,7 @@ class Node:
         if not tools.exists():
             tools.mkdir()
             for name in ("bash", "timeout", "awk", "sed", "grep", "sort", "head", "df", "mountpoint", "date",
-                         "readlink", "basename", "dirname", "hostname", "logger", "cat", "sleep", "tr"):
+                         "readlink", "basename", "dirname", "hostname", "logger", "cat", "sleep", "tr", "rm"):
                 found = shutil.which(name)
                 if found:
                     (tools / name).symlink_to(found)
@@ -227,6 +227,23 @@ def test_the_shaped_nodes_stand_in_nvidia_smi_with_a_gpu_gone_from_the_bus(tmp_p
     assert node.run("prolog")[:2] == (1, "health (prolog): 7 of 8 GPUs answer nvidia-smi")
 
 
+def test_the_epilog_removes_the_trainer_metrics_a_killed_rank_left_of_that_job_only(tmp_path):
+    textfiles = tmp_path / "node-exporter"
+    textfiles.mkdir()
+    node = Node(tmp_path, TRAINER_TEXTFILE_DIR=textfiles)
+    left = ["fsdp-trainer-41-rank3.prom", "fsdp-trainer-41-rank4.prom.tmp"]
+    others = ["fsdp-trainer-4-rank3.prom", "fsdp-trainer-410-rank3.prom", "fsdp-trainer-run7-rank0.prom",
+              "efa.prom"]
+    for name in left + others:
+        (textfiles / name).write_text("fsdp_trainer_step 12\n")
+    assert node.run("prolog", SLURM_JOB_ID="41") == (0, None, "")
+    assert node.run("periodic") == (0, None, "")
+    assert sorted(p.name for p in textfiles.iterdir()) == sorted(left + others)  # only the epilog removes
+    assert node.run("epilog", SLURM_JOB_ID="41") == (0, None, "")
+    assert sorted(p.name for p in textfiles.iterdir()) == sorted(others)
+    assert node.run("epilog", SLURM_JOB_ID="41") == (0, None, "")  # nothing left: nothing to do
+
+
 def _conf(text: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
 
@@ -243,7 +260,8 @@ def test_the_role_expects_a_p4d_nodes_gpus_efa_and_mounted_scratch(tmp_path):
     assert conf == {"NODE_NAME": "rt-node0", "EXPECTED_GPUS": "8", "EXPECTED_EFA": "4",
                     "DRAIN_XIDS": "'48 64 74 79 95 119 120 143'", "SYSFS_ROOT": "/",
                     "SCRATCH_DIR": "/scratch", "SCRATCH_MUST_BE_MOUNTED": "yes",
-                    "SCRATCH_MIN_FREE_GIB": "200", "DCGM_DIAG_LEVEL": "0", "PROBE_TIMEOUT_S": "10"}
+                    "SCRATCH_MIN_FREE_GIB": "200", "DCGM_DIAG_LEVEL": "0", "PROBE_TIMEOUT_S": "10",
+                    "TRAINER_TEXTFILE_DIR": "/var/lib/prometheus/node-exporter"}
 
 
 def test_on_aws_a_node_missing_a_gpu_at_configure_time_is_still_expected_to_have_them_all(tmp_path):

@@ -1,7 +1,9 @@
 """Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module):
 after `configure --tags slurm` every node is idle in sinfo (a second configure of the whole playbook,
 the slurm role included, changes nothing: tests/local/test_configure.py);
-a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a plain torchrun script that
+a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a cancelled job is not
+requeued, and its ranks' Prometheus files (each rank exports its metrics where node exporter's textfile
+directory exists) are gone after it, the one a killed rank left removed by the epilog; a plain torchrun script that
 is not ours runs as a job with `fsdpctl train --command`, as a command line and as a script file; a
 node whose health check fails (a stand-in nvidia-smi reporting ECC errors) is drained with the reason
 by the prolog, the job waits for healthy nodes instead of running there, `fsdpctl status` shows the
@@ -211,17 +213,41 @@ def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(clus
     assert after < before
 
 
-def test_cancelled_job_ends_without_a_requeue(cluster):
+def trainer_textfiles(cluster, rank: int, job_id: int) -> list[str]:
+    """The trainer's Prometheus files of job `job_id` in node exporter's textfile directory on a node."""
+    listing = ssh(cluster, rank, f"ls {slurm.PROMETHEUS_TEXTFILE_DIR}").stdout.split()
+    return sorted(name for name in listing if name.startswith(f"fsdp-trainer-{job_id}-"))
+
+
+def test_cancelled_job_ends_without_a_requeue_and_leaves_no_metrics_exported(cluster):
+    """With node exporter's textfile directory on the nodes (the monitoring role makes it; this module
+    configures the slurm role alone), each rank exports its metrics there while the job runs; after the
+    cancel none is left, not even the file of a rank killed mid-step (one planted on node 1 as such a
+    rank leaves it): the epilog removes the job's files."""
     home, env = cluster
-    job_id = train(cluster, "--steps", "100000", "--name", "tiny-cancel")
-    job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-cancel"
-    wait_for(lambda: steps(job_dir / "metrics.jsonl"), "the first step")
-    fsdpctl(home, "cancel", str(job_id), env=env)
-    # Slurm marks the job CANCELLED at once; the batch script writes its status when its step ended.
-    row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "CANCELLED"
-                   and (r["status"] or "").startswith("cancelled") and r, "the cancel", timeout=180)
-    assert row["last_step"] < 100000
-    assert "requeued" not in (job_dir / f"slurm-{job_id}.out").read_text()
+    for rank in (0, 1):
+        ssh(cluster, rank, f"mkdir -p {slurm.PROMETHEUS_TEXTFILE_DIR}")
+    try:
+        job_id = train(cluster, "--steps", "100000", "--name", "tiny-cancel")
+        job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-cancel"
+        exported = [[f"fsdp-trainer-{job_id}-rank0.prom"], [f"fsdp-trainer-{job_id}-rank1.prom"]]
+        wait_for(lambda: [trainer_textfiles(cluster, rank, job_id) for rank in (0, 1)] == exported,
+                 "each rank's metrics file on its node")
+        assert steps(job_dir / "metrics.jsonl")
+        killed = f"{slurm.PROMETHEUS_TEXTFILE_DIR}/fsdp-trainer-{job_id}-rank7.prom"
+        ssh(cluster, 1, f"echo 'fsdp_trainer_step 3' > {killed}")
+        fsdpctl(home, "cancel", str(job_id), env=env)
+        # Slurm marks the job CANCELLED at once; the batch script writes its status when its step ended.
+        row = wait_for(lambda: (r := job(cluster, job_id))["state"] == "CANCELLED"
+                       and (r["status"] or "").startswith("cancelled") and r, "the cancel", timeout=180)
+        assert row["last_step"] < 100000
+        assert "requeued" not in (job_dir / f"slurm-{job_id}.out").read_text()
+        wait_for(lambda: [trainer_textfiles(cluster, rank, job_id) for rank in (0, 1)] == [[], []],
+                 "the job's metrics files gone", timeout=60)
+        assert f"removed fsdp-trainer-{job_id}-rank7.prom (left by a killed rank)" in health_log(cluster, 1)
+    finally:
+        for rank in (0, 1):
+            ssh(cluster, rank, f"rm -rf {slurm.PROMETHEUS_TEXTFILE_DIR}")
 
 
 RESUMED_FROM = re.compile(r"checkpoint: resumed from \S+ \(step (\d+)\)")

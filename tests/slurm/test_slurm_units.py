@@ -4,6 +4,7 @@ the role's packages, and bad `fsdpctl train` input rejected with the field and a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -246,6 +247,52 @@ def test_a_command_job_keeps_the_batch_part_and_a_python_script_runs_under_torch
     assert "TRAINER_ARGS" not in command and 'exec bash -c "$USER_COMMAND"' in command
     script = slurm.render_batch_script(_job(module_args=["/shared/jobs/x/train.py"]))
     assert "TRAINER_ARGS=(/shared/jobs/x/train.py)\n" in script and '"$VENV/bin/torchrun"' in script
+
+
+def _trainer_args_on_a_node(tmp_path, job: slurm.TrainJob) -> list[str]:
+    """The node part of a trainer job (its directory under tmp_path), run as srun runs it on node 1 of 2,
+    with a torchrun that prints its arguments: what it gave the trainer beyond job.trainer_args()."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin/torchrun").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    (venv / "bin/torchrun").chmod(0o755)
+    job = dataclasses.replace(job, job_dir=str(tmp_path / "job"), venv=str(venv))
+    Path(job.job_dir).mkdir()
+    Path(job.script_path).write_text(slurm.render_batch_script(job))
+    env = stand_in_commands(tmp_path, scontrol='echo "NodeName=$3 NodeAddr=10.0.0.12 State=ALLOCATED"')
+    job_id = f"unit{os.getpid()}"
+    try:
+        slurm_env = {"SLURMD_NODENAME": "node1", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
+                     "SLURM_JOB_ID": job_id, "FSDP_HEAD_ADDR": "10.0.0.11", "FSDP_ATTEMPT": "0"}
+        proc = subprocess.run(["bash", job.script_path, "--node"], capture_output=True, text=True, timeout=30,
+                              cwd=job.job_dir, env={**env, **slurm_env})
+    finally:
+        Path(f"/tmp/fsdp-job-{job_id}.agent").unlink(missing_ok=True)
+    assert proc.returncode == 0, proc.stderr
+    args = proc.stdout.splitlines()
+    given = args[args.index("trainer") - 1:]
+    assert given[:len(job.trainer_args())] == job.trainer_args()
+    return given[len(job.trainer_args()):]
+
+
+def test_a_trainer_job_exports_its_metrics_where_the_node_has_node_exporters_textfile_directory(tmp_path):
+    textfiles = tmp_path / "node-exporter"
+    job = _job(prometheus_dir=str(textfiles))
+    assert _trainer_args_on_a_node(tmp_path / "absent", job) == []  # the monitoring role did not run
+    textfiles.mkdir()
+    exported = _trainer_args_on_a_node(tmp_path / "present", job)
+    assert exported == ["--set", f"metrics.prometheus_dir={textfiles}"]
+    assert _trainer_args_on_a_node(tmp_path / "not-asked", _job()) == []
+
+
+@pytest.mark.parametrize(("config", "overrides", "expected"), [
+    ("tiny", [], slurm.PROMETHEUS_TEXTFILE_DIR),
+    ("/shared/jobs/x/config.yaml", ["optim.lr=1e-3"], slurm.PROMETHEUS_TEXTFILE_DIR),
+    ("tiny", ["metrics.prometheus_dir=/srv/metrics"], None),  # the run's own choice stands
+    (None, [], None),  # a user's command or script: not our trainer
+])
+def test_which_jobs_export_the_trainers_metrics(config, overrides, expected):
+    assert slurm.metrics_export_dir(config, overrides) == expected
 
 
 SINFO = ("st-node0|idle|none\n"
