@@ -3,8 +3,9 @@ after `configure --tags slurm` every node is idle in sinfo (a second configure o
 the slurm role included, changes nothing: tests/local/test_configure.py);
 a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a cancelled job is not
 requeued, and its ranks' Prometheus files (each rank exports its metrics where node exporter's textfile
-directory exists) are gone after it, the one a killed rank left removed by the epilog; a plain torchrun script that
-is not ours runs as a job with `fsdpctl train --command`, as a command line and as a script file; a
+directory exists) are gone after it, the one a killed rank left removed by the epilog; a plain torchrun
+script that is not ours runs as a job with `fsdpctl train --command`, as a command line and as a script
+file; a
 node whose health check fails (a stand-in nvidia-smi reporting ECC errors) is drained with the reason
 by the prolog, the job waits for healthy nodes instead of running there, `fsdpctl status` shows the
 reason, and the periodic check drains the same way; a 2-node fine-tuning job
