@@ -5,11 +5,10 @@ a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a can
 requeued, and its ranks' Prometheus files (each rank exports its metrics where node exporter's textfile
 directory exists) are gone after it, the one a killed rank left removed by the epilog; a plain torchrun
 script that is not ours runs as a job with `fsdpctl train --command`, as a command line and as a script
-file; a
-node whose health check fails (a stand-in nvidia-smi reporting ECC errors) is drained with the reason
-by the prolog, the job waits for healthy nodes instead of running there, `fsdpctl status` shows the
-reason, and the periodic check drains the same way; a 2-node fine-tuning job
-loads a Hugging Face model from the shared file system and exports one transformers loads; a node's
+file; a node whose health check fails (a stand-in nvidia-smi reporting ECC errors) is drained with the
+reason by the prolog, the job waits for healthy nodes instead of running there, `fsdpctl status` shows
+the reason, and the periodic check drains the same way; a 2-node fine-tuning job loads a Hugging Face
+model from the shared file system and exports one transformers loads; a node's
 workers killed mid-job make the batch script retry the step at once in its allocation, which finishes
 from its checkpoint, repeating the lost steps with the same losses; a frozen worker (SIGSTOP) is found
 by the job watcher, which ends the step, and the job resumes the same way; the spot watcher drains
