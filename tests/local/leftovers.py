@@ -50,12 +50,17 @@ def session_is_alive(session_dir: Path) -> bool:
     return False
 
 
+def session_of(state_dir: Path, temp_root: Path) -> Path:
+    """The directory of the test session a cluster's state directory under `temp_root` belongs to."""
+    return temp_root / state_dir.relative_to(temp_root).parts[0]
+
+
 def left_by_a_dead_session(state_dir: Path, temp_root: Path, current_session: Path) -> bool:
     """Whether the cluster in `state_dir` belongs to a test session under `temp_root` other than
     `current_session` that no longer lives."""
     if not state_dir.is_relative_to(temp_root):
         return False  # not a test cluster: never touched
-    session_dir = temp_root / state_dir.relative_to(temp_root).parts[0]
+    session_dir = session_of(state_dir, temp_root)
     return session_dir != current_session and not session_is_alive(session_dir)
 
 
@@ -83,7 +88,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         outcome = "taken down" if result.returncode == 0 else f"NOT taken down:\n{result.stderr.strip()}"
         if reporter:
             reporter.write_line(f"cluster {state_dir.name} left by the killed test session "
-                                f"{state_dir.relative_to(current_session.parent).parts[0]}: {outcome}")
+                                f"{session_of(state_dir, current_session.parent).name}: {outcome}")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

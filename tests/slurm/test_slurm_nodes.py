@@ -32,7 +32,7 @@ import yaml
 
 from fsdpctl import slurm
 from tests.local.conftest import fsdpctl, read_state
-from tests.slurm.conftest import cluster_state, slurm_cluster, slurm_node_states, wait_for
+from tests.slurm.conftest import cluster_state, on_node, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -214,8 +214,10 @@ def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(clus
 
 
 def trainer_textfiles(cluster, rank: int, job_id: int) -> list[str]:
-    """The trainer's Prometheus files of job `job_id` in node exporter's textfile directory on a node."""
-    listing = ssh(cluster, rank, f"ls {slurm.PROMETHEUS_TEXTFILE_DIR}").stdout.split()
+    """The trainer's Prometheus files of job `job_id` in node exporter's textfile directory on a node (asked
+    while waiting: from this process, as the other polls)."""
+    home, _ = cluster
+    listing = on_node(home, NAME, rank, f"ls {slurm.PROMETHEUS_TEXTFILE_DIR}").split()
     return sorted(name for name in listing if name.startswith(f"fsdp-trainer-{job_id}-"))
 
 
