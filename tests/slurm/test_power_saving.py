@@ -120,7 +120,8 @@ def test_a_node_the_agent_cannot_start_goes_down_with_the_reason_and_is_tried_ag
             "node 1 going down", 60)
         assert reason.startswith(f"power resume: {NODES[1]}: its root file system"), reason
         assert "could not be mounted" in reason
-        assert job_state(cluster, job_id) in ("PENDING", "REQUEUED"), job_state(cluster, job_id)
+        # Requeued, not failed: it passes through COMPLETING on its way back to the queue.
+        wait_for(lambda: job_state(cluster, job_id) in ("PENDING", "REQUEUED"), "the job's requeue", 60)
     finally:
         work.mkdir(exist_ok=True)
     # Powered down again, the node is idle once SuspendTimeout passed and the pending job powers it
