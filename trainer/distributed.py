@@ -102,11 +102,14 @@ def exit_process(code: int) -> NoReturn:
     exception", SIGABRT; about 1 in 7 two-rank runs on a loaded 2-core host, no Python frame left),
     turning a complete run into exit -6 under torchrun. So what Python does at exit is done here -
     non-daemon threads joined (a checkpoint still committing finishes), atexit handlers run (the
-    trackers'), streams flushed - and then the process ends without the native teardown."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and not thread.daemon:
-            thread.join()
+    trackers'), streams flushed - and then the process ends without the native teardown.
+
+    Call it from the main thread, as the interpreter's own exit runs there."""
+    # The interpreter's first exit step (Py_FinalizeEx calls threading._shutdown): threading's exit
+    # hooks, then a join of every non-daemon thread. The hooks tell the idle workers of
+    # concurrent.futures thread pools to stop; joining those workers without them waits for ever, which
+    # is how a torch.compile run (inductor compiles in such a pool) hung after its last step.
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
