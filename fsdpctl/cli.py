@@ -46,6 +46,7 @@ HANDLERS = {
     "down": "fsdpctl.lifecycle:cmd_down",
     "exclude": "fsdpctl.lifecycle:cmd_exclude",
     "replace": "fsdpctl.lifecycle:cmd_replace",
+    "heal": "fsdpctl.heal:cmd_heal",
     "extend": "fsdpctl.lifecycle:cmd_extend",
     "train": "fsdpctl.train:cmd_train",
     "jobs": "fsdpctl.jobs:cmd_jobs",
@@ -56,7 +57,7 @@ HANDLERS = {
 }
 # Commands that take the cluster's name first too (`fsdpctl down demo`, as `sky down NAME`): those
 # with no positional argument of their own.
-NAMED_FIRST = ("configure", "inventory", "deploy", "smoke", "scale-test", "monitor", "status", "down",
+NAMED_FIRST = ("configure", "inventory", "deploy", "smoke", "scale-test", "monitor", "status", "down", "heal",
                "extend", "jobs")
 SHELLS = ("bash", "zsh", "tcsh")
 _INVALID_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)")
@@ -189,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = cmd("replace", "Replace a node with a new one of the same rank, then configure and deploy to it.")
     sp.add_argument("rank", type=int, metavar="RANK", help="the node's rank")
     yes_argument(sp, "destroy the old node")
+
+    sp = cmd("heal", "Replace each node a spot notice drained, once its jobs have checkpointed and left "
+             "(docs/slurm.md).")
+    sp.add_argument("--watch", type=float, metavar="SECONDS",
+                    help="keep going: a pass every SECONDS (at least 10; needs --yes)")
+    yes_argument(sp, "destroy the drained nodes")
 
     sp = cmd("extend", "Move an aws cluster's expiry N hours later (the AWS-side schedules move with it).")
     sp.add_argument("--hours", type=int, required=True, metavar="N", help="hours to add to the expiry")

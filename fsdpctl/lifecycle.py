@@ -312,6 +312,9 @@ def _print_slurm_nodes(nodes: dict[str, NodeState] | None, not_asked: str | None
            if power_saved else ""))
     for node in out_of_service:
         say(f"  {node.name} {node.state}: {node.reason or 'no reason given'}")
+    if any(n.spot_notice for n in out_of_service):
+        say("  a node a spot notice drained: `fsdpctl heal` replaces it once its jobs have left "
+            "(docs/slurm.md)")
     if out_of_service:
         say("  once the cause is fixed: fsdpctl ssh 0 -- scontrol update nodename=NAME state=resume "
             "(docs/slurm.md, node health checks)")
@@ -473,29 +476,33 @@ def _slurm_node(state: ClusterState, record: ClusterRecord, node_name: str, *, d
 
 
 def cmd_replace(args: Namespace) -> int:
-    """A new node in place of rank N (same rank and name), configured and, when the trainer was
-    deployed, deployed to."""
     line_buffered()
-    state = state_mod.resolve(args.cluster)
+    replace(state_mod.resolve(args.cluster), args.rank, yes=args.yes)
+    return 0
+
+
+def replace(state: ClusterState, rank: int, *, yes: bool) -> None:
+    """A new node in place of rank N (same rank and name), configured and, when the trainer was
+    deployed, deployed to, and back in service in Slurm (`fsdpctl replace`, and `fsdpctl heal`)."""
     record = state.read()
     nodes = {n.rank: n for n in record.nodes}
-    if args.rank not in nodes:
-        raise UsageError(f"cluster {state.name} has no node with rank {args.rank} "
+    if rank not in nodes:
+        raise UsageError(f"cluster {state.name} has no node with rank {rank} "
                          f"(ranks: {', '.join(map(str, sorted(nodes))) or 'none'}); see `fsdpctl status`")
-    target, spec, node = targets.get(record.target), state.spec(), nodes[args.rank]
-    with state.operation(f"replace {args.rank}"):
-        say(f"fsdpctl replace {args.rank}: {target.node_destruction(state, args.rank)}; a new "
+    target, spec, node = targets.get(record.target), state.spec(), nodes[rank]
+    with state.operation(f"replace {rank}"):
+        say(f"fsdpctl replace {rank}: {target.node_destruction(state, rank)}; a new "
             f"{node.name} takes its place")
-        confirm(f"Replace {node.name}?", yes=args.yes)
+        confirm(f"Replace {node.name}?", yes=yes)
         started = time.monotonic()
-        target.replace_node(state, spec, args.rank, out=say)
+        target.replace_node(state, spec, rank, out=say)
 
         from fsdpctl.configure import print_summary, run_configure
         from fsdpctl.deploy import DeployError, deploy
 
         # The blacklist entry was about the old node; the new one must be in the inventory to be
         # configured and deployed.
-        record = state.change(lambda now: {"excluded": [e for e in now.excluded if e.rank != args.rank]})
+        record = state.change(lambda now: {"excluded": [e for e in now.excluded if e.rank != rank]})
         write_inventory(state)
         # The new node is brought to where the others are: a cluster never configured stays so (the
         # roles on one node of it would wait for services, such as slurmctld, the others never got).
@@ -510,15 +517,14 @@ def cmd_replace(args: Namespace) -> int:
                                f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
         if record.deploy is not None:
             try:
-                deploy(state, record, ranks=[args.rank])
+                deploy(state, record, ranks=[rank])
             except DeployError as e:
                 raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
                                    "run `fsdpctl deploy`.") from None
         _slurm_node(state, record, node.name, drain_reason=None)
     say(f"{node.name} replaced" + (" and configured" if configured else "")
         + (", and the trainer deployed" if record.deploy else "")
-        + f" in {time.monotonic() - started:.0f} s; rank {args.rank} is back in the cluster")
-    return 0
+        + f" in {time.monotonic() - started:.0f} s; rank {rank} is back in the cluster")
 
 
 def cmd_extend(args: Namespace) -> int:

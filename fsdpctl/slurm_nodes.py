@@ -31,6 +31,8 @@ SLURM_TIMEOUT_S = 30
 
 IN_SERVICE = {"idle", "allocated", "mixed", "completing", "reserved", "planned"}
 """Node states in which a node runs or takes jobs."""
+SPOT_NOTICE_REASONS = ("spot interruption notice", "rebalance recommendation notice")
+"""How the spot watcher's drain reasons begin (`act` in ansible/roles/slurm/files/spot-watcher.py)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class NodeState:
     @property
     def in_service(self) -> bool:
         return self.state in IN_SERVICE
+
+    @property
+    def spot_notice(self) -> bool:
+        """Drained by the spot watcher on an interruption notice or a rebalance recommendation."""
+        return (self.reason or "").startswith(SPOT_NOTICE_REASONS)
 
     @property
     def powered_down(self) -> bool:

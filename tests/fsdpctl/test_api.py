@@ -116,7 +116,7 @@ def test_the_api_covers_the_commands_that_make_use_and_remove_a_cluster():
     from fsdpctl.cli import HANDLERS
 
     command_line_only = {"preflight", "inventory", "ssh", "monitor", "scale-test", "exclude", "replace",
-                         "extend", "demo", "completion"}
+                         "heal", "extend", "demo", "completion"}
     verbs = {"list": "list_clusters"}
     second_functions = {"job_history"}  # `jobs --all`
     assert {verbs.get(name, name) for name in set(HANDLERS) - command_line_only} == \

@@ -44,6 +44,7 @@ def _commands(spec: Path) -> dict[str, list[str]]:
         "down": ["down", "--yes", *cluster],
         "exclude": ["exclude", "0", "--reason", "ECC errors", *cluster],
         "replace": ["replace", "0", "--yes", *cluster],
+        "heal": ["heal", "--yes", *cluster],
         "extend": ["extend", "--hours", "1", *cluster],
         "train": ["train", "tiny", *cluster],
         "jobs": ["jobs", *cluster],

@@ -13,7 +13,8 @@ workers killed mid-job make the batch script retry the step at once in its alloc
 from its checkpoint, repeating the lost steps with the same losses; a frozen worker (SIGSTOP) is found
 by the job watcher, which ends the step, and the job resumes the same way; the spot watcher drains
 its node on a rebalance recommendation and on an interruption notice from an IMDS stand-in on the
-node's loopback, and the job running there checkpoints at once;
+node's loopback, the job running there checkpoints at once, and `fsdpctl heal` puts a fresh node in
+the drained one's place, where the requeued job resumes from that checkpoint;
 `fsdpctl jobs --all` lists a plain sbatch job next to fsdpctl's, with each job's runs from the
 completion log; `fsdpctl exclude` drains the node.
 
@@ -423,10 +424,24 @@ def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notic
     assert "SIGUSR1: asking the workers to checkpoint" in text, text[-3000:]
     stop = int(re.search(r"stop: checkpoint of step (\d+) saved and verified", text).group(1))
     assert stop < 400  # saved where the notice found it, not at the end
-    # Requeued, it cannot start while node 1 is drained (it needs both): cancel it, then undo the drain.
-    ssh(cluster, 0, f"scancel {job_id}")
-    ssh(cluster, 1, f"systemctl stop fsdp-spot-watcher; scontrol update nodename={NODES[1]} state=RESUME")
-    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
+
+    # Requeued, the job cannot start while node 1 is drained (it needs both). EC2 would take the
+    # instance back: `fsdpctl heal` puts a fresh node in its place once the job has left it, and the job
+    # resumes on it from the checkpoint.
+    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "drained", "the job off node 1", timeout=60)
+    old_machine = ssh(cluster, 1, "cat /etc/machine-id").stdout
+    healed = fsdpctl(home, "heal", "--yes", env=env, timeout=1200).stdout
+    assert f"{NODES[1]}: spot interruption notice" in healed
+    assert f"{NODES[1]} replaced and configured, and the trainer deployed" in healed
+    print(next(line for line in healed.splitlines() if line.startswith(f"{NODES[1]} replaced")))
+    assert ssh(cluster, 1, "cat /etc/machine-id").stdout != old_machine
+    resumed = wait_for(lambda: RESUMED_FROM.search(log.read_text(errors="replace")), "the resumed run",
+                       timeout=300)
+    assert int(resumed.group(1)) == stop
+    assert job(cluster, job_id)["nodes"] == f"{NAME}-node[0-1]"
+    ssh(cluster, 0, f"scancel {job_id}")  # its resumption is what this test is about
+    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 idle after the cancel", timeout=120)
+    assert "no node drained by a spot notice" in fsdpctl(home, "heal", "--yes", env=env).stdout
 
 
 def health_log(cluster, rank: int) -> str:

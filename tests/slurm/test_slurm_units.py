@@ -344,6 +344,16 @@ def test_status_shows_why_slurm_drained_a_node(status_of):
     assert status["slurm_not_asked"] is None
 
 
+def test_status_points_at_heal_for_a_node_a_spot_notice_drained(status_of):
+    notice = 'spot interruption notice: {"action": "terminate", "time": "2026-12-03T08:00:00Z"}'
+    text, _ = status_of(0, f"st-node0|idle|none\nst-node1|drained|{notice}\n")
+    assert (f"  st-node1 drained: {notice}\n"
+            "  a node a spot notice drained: `fsdpctl heal` replaces it once its jobs have left "
+            "(docs/slurm.md)\n") in text
+    text, _ = status_of(0, SINFO)  # a health check's drain: no such line
+    assert "fsdpctl heal" not in text
+
+
 def test_status_counts_a_node_power_saving_stopped_apart_from_the_faulty_ones(status_of):
     text, status = status_of(0, "st-node0|idle|none\nst-node1|idle~|none\n")
     assert ("slurm: 1 of 2 node(s) in service; powered down while idle (a job's need powers them up): "
