@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fsdpctl import slurm_nodes
 from fsdpctl import state as state_mod
 from fsdpctl.console import line_buffered, say, warn
-from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.errors import CommandError, Interrupted, UsageError
 from fsdpctl.slurm_nodes import NodeState
 from fsdpctl.state import ClusterState, Node
 
@@ -87,6 +87,8 @@ def cmd_heal(args: Namespace) -> int:
     while True:
         try:
             heal(state, yes=True)
+        except Interrupted:  # Ctrl-C in the middle of a replace ends the watch too
+            raise
         except CommandError as e:  # Slurm not answering, a replace that failed: the next pass tries again
             warn(f"this pass did not finish: {e}; trying again in {args.watch:g} s")
         time.sleep(args.watch)

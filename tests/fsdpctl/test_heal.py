@@ -9,7 +9,7 @@ import pytest
 from fsdpctl import heal as heal_mod
 from fsdpctl import slurm_nodes
 from fsdpctl.cli import main
-from fsdpctl.errors import CommandError
+from fsdpctl.errors import CommandError, Interrupted
 from fsdpctl.heal import plan_heal
 from fsdpctl.slurm_nodes import NodeState
 from fsdpctl.state import Node
@@ -117,6 +117,14 @@ def test_watch_goes_on_after_a_failed_pass_until_interrupted(cluster, monkeypatc
     err = capsys.readouterr().err
     assert ("this pass did not finish: `sinfo` exited 1: slurm_load_node: Unable to contact slurm "
             "controller; trying again in 30 s") in err
+
+
+def test_watch_ends_when_a_replace_is_interrupted(cluster, monkeypatch, capsys):
+    _, seen, _ = cluster
+    seen.append(Interrupted("configure canceled; the nodes may be partly configured"))
+    monkeypatch.setattr(heal_mod.time, "sleep", lambda seconds: pytest.fail("the watch went on"))
+    assert main(["heal", "--cluster", "heal", "--watch", "30", "--yes"]) == 130
+    assert "configure canceled" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "message"), [
