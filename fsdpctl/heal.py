@@ -32,22 +32,27 @@ class HealPlan:
     """Drained by a notice and no job left there: replaced now."""
     waiting: tuple[Node, ...]
     """Drained by a notice, its jobs still checkpointing (`draining`): replaced on a later pass."""
+    controller: Node | None
+    """Slurm's controller, if a notice drained it: left to the operator (a new controller starts with
+    an empty queue and a new munge key, which every node must then be configured with)."""
 
 
-def plan_heal(nodes: list[Node], states: dict[str, NodeState]) -> HealPlan:
+def plan_heal(nodes: list[Node], states: dict[str, NodeState], controller: str | None) -> HealPlan:
     """The cluster's nodes (excluded ones left out) that a spot notice drained, by whether they can be
     replaced now. A node whose instance EC2 already took back does not answer: Slurm then shows it
     `drained*` or `down*` with the notice still as its reason, and no job can be left on it."""
-    ready, waiting = [], []
+    ready, waiting, drained_controller = [], [], None
     for node in nodes:
         seen = states.get(node.name)
         if seen is None or not seen.spot_notice:
             continue
-        if seen.state.startswith("draining"):
+        if node.name == controller:
+            drained_controller = node
+        elif seen.state.startswith("draining"):
             waiting.append(node)
         elif seen.state.startswith(("drained", "down")):
             ready.append(node)
-    return HealPlan(ready=tuple(ready), waiting=tuple(waiting))
+    return HealPlan(ready=tuple(ready), waiting=tuple(waiting), controller=drained_controller)
 
 
 def heal(state: ClusterState, *, yes: bool) -> HealPlan:
@@ -60,14 +65,20 @@ def heal(state: ClusterState, *, yes: bool) -> HealPlan:
     if states is None:
         raise CommandError(f"Slurm is not installed on cluster {state.name}, so no spot watcher drains its "
                            "nodes: run `fsdpctl configure` first (docs/slurm.md)")
-    found = plan_heal([n for n in record.nodes if n.rank not in excluded], states)
+    found = plan_heal([n for n in record.nodes if n.rank not in excluded], states,
+                      slurm_nodes.controller_name(record))
+    if found.controller is not None:
+        rank = found.controller.rank
+        say(f"{found.controller.name}: {states[found.controller.name].reason}; it runs Slurm's controller, "
+            "which heal leaves alone (a new one starts with an empty queue): when no job needs the "
+            f"cluster, `fsdpctl replace {rank}`, then `fsdpctl configure --tags slurm`")
     for node in found.waiting:
         say(f"{node.name}: {states[node.name].reason}; its jobs are still checkpointing, replaced once they "
             "have left")
     for node in found.ready:
         say(f"{node.name}: {states[node.name].reason}; replacing it")
         replace(state, node.rank, yes=yes)
-    if not found.ready and not found.waiting:
+    if not found.ready and not found.waiting and found.controller is None:
         say(f"cluster {state.name}: no node drained by a spot notice")
     return found
 

@@ -16,6 +16,7 @@ A leaf below fsdpctl.slurm (the jobs): it needs only SSH to the nodes, so `deplo
 from __future__ import annotations
 
 import contextlib
+import re
 import shlex
 import time
 from collections.abc import Iterator
@@ -90,6 +91,13 @@ def run_slurm(record: ClusterRecord, command: str, *, check: bool = True, timeou
         raise CommandError(f"`{command}` on cluster {record.name} exited {result.returncode}: {output}. Is "
                            "Slurm configured (`fsdpctl configure --tags slurm`; `fsdpctl ssh 0 -- sinfo`)?")
     return result
+
+
+def controller_name(record: ClusterRecord) -> str | None:
+    """The node slurmctld runs on, as `scontrol ping` names it; None where it does not answer."""
+    result = remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
+    found = re.search(r"^Slurmctld\(primary\) at (\S+) is UP", result.stdout, re.MULTILINE)
+    return found[1] if found else None
 
 
 def slurm_status(record: ClusterRecord) -> tuple[bool, str]:

@@ -44,21 +44,30 @@ def states(*seen: tuple[str, str | None]) -> dict[str, NodeState]:
     ([("down*", "Not responding"), ("idle~", None)], [], []),
 ])
 def test_a_pass_replaces_the_nodes_a_notice_drained_once_their_jobs_have_left(seen, ready, waiting):
-    plan = plan_heal(nodes(len(seen)), states(*seen))
+    plan = plan_heal(nodes(len(seen)), states(*seen), controller=None)
     assert [n.rank for n in plan.ready] == ready
     assert [n.rank for n in plan.waiting] == waiting
+    assert plan.controller is None
 
 
 def test_a_node_slurm_does_not_list_is_left_alone():
-    plan = plan_heal(nodes(3), states(("idle", None), ("drained", SPOT)))
+    plan = plan_heal(nodes(3), states(("idle", None), ("drained", SPOT)), controller="heal-node0")
     assert [n.rank for n in plan.ready] == [1] and plan.waiting == ()
+
+
+@pytest.mark.parametrize("state", ["drained", "draining", "down*"])
+def test_the_controller_is_never_replaced(state):
+    plan = plan_heal(nodes(2), states((state, SPOT), ("drained", SPOT)), controller="heal-node0")
+    assert [n.rank for n in plan.ready] == [1] and plan.waiting == ()
+    assert plan.controller is not None and plan.controller.rank == 0
 
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
-    """A two-node local cluster's state (nothing booted), Slurm's view of it, and the ranks replaced."""
+    """A three-node local cluster's state (nothing booted; node 0 runs Slurm's controller), Slurm's view
+    of it, and the ranks replaced."""
     monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
-    state = local_cluster(tmp_path, name="heal", nodes=2)
+    state = local_cluster(tmp_path, name="heal", nodes=3)
     seen: list[dict[str, NodeState] | Exception] = []
     replaced: list[tuple[int, bool]] = []
 
@@ -69,18 +78,29 @@ def cluster(tmp_path, monkeypatch):
         return now
 
     monkeypatch.setattr(slurm_nodes, "node_states", node_states)
+    monkeypatch.setattr(slurm_nodes, "controller_name", lambda record: "heal-node0")
     monkeypatch.setattr("fsdpctl.lifecycle.replace", lambda state, rank, *, yes: replaced.append((rank, yes)))
     return state, seen, replaced
 
 
 def test_one_pass_replaces_what_is_ready_and_says_what_waits(cluster, capsys):
     _, seen, replaced = cluster
-    seen.append(states(("draining", SPOT), ("drained", SPOT)))
+    seen.append(states(("idle", None), ("draining", SPOT), ("drained", SPOT)))
+    assert main(["heal", "--cluster", "heal", "--yes"]) == 0
+    assert replaced == [(2, True)]
+    out = capsys.readouterr().out
+    assert f"heal-node2: {SPOT}; replacing it" in out
+    assert f"heal-node1: {SPOT}; its jobs are still checkpointing, replaced once they have left" in out
+
+
+def test_a_drained_controller_is_left_to_the_operator_with_what_to_run(cluster, capsys):
+    _, seen, replaced = cluster
+    seen.append(states(("drained", SPOT), ("drained", SPOT)))
     assert main(["heal", "--cluster", "heal", "--yes"]) == 0
     assert replaced == [(1, True)]
-    out = capsys.readouterr().out
-    assert f"heal-node1: {SPOT}; replacing it" in out
-    assert "heal-node0: spot interruption notice" in out and "replaced once they have left" in out
+    assert (f"heal-node0: {SPOT}; it runs Slurm's controller, which heal leaves alone (a new one starts "
+            "with an empty queue): when no job needs the cluster, `fsdpctl replace 0`, then `fsdpctl "
+            "configure --tags slurm`") in capsys.readouterr().out
 
 
 def test_an_excluded_node_is_not_replaced(cluster, capsys):

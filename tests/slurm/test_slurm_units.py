@@ -307,6 +307,23 @@ def test_sinfo_rows_become_typed_node_states():
     assert not slurm_nodes.parse_node_states("st-node0|idle*|Not responding\n")["st-node0"].in_service
 
 
+@pytest.mark.parametrize(("returncode", "stdout", "controller"), [
+    (0, "Slurmctld(primary) at st-node0 is UP\n", "st-node0"),
+    (0, "Slurmctld(primary) at st-node1 is UP\nSlurmctld(backup) at st-node0 is UP\n", "st-node1"),
+    (1, "Slurmctld(primary) at st-node0 is DOWN\n*****\n** RESTORE SLURMCTLD DAEMON TO SERVICE **\n", None),
+])
+def test_the_controller_is_the_node_scontrol_ping_names(tmp_path, monkeypatch, returncode, stdout,
+                                                         controller):
+    from fsdpctl import remote
+    from tests.fsdpctl.test_cli import local_cluster
+
+    monkeypatch.setenv("FSDPCTL_HOME", str(tmp_path / "home"))
+    state = local_cluster(tmp_path, "st")
+    monkeypatch.setattr(remote, "run", lambda record, rank, command, **kwargs:
+                        subprocess.CompletedProcess(command, returncode, stdout, ""))
+    assert slurm_nodes.controller_name(state.read()) == controller
+
+
 @pytest.fixture
 def status_of(tmp_path, monkeypatch, capsys):
     """`fsdpctl status` (text and --json) of a 2-node local cluster whose nodes all answer and whose
