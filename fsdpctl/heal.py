@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fsdpctl import slurm_nodes
 from fsdpctl import state as state_mod
 from fsdpctl.console import line_buffered, say, warn
-from fsdpctl.errors import CommandError, Interrupted, UsageError
+from fsdpctl.errors import CommandError, Interrupted, StateError, UsageError
 from fsdpctl.slurm_nodes import NodeState
 from fsdpctl.state import ClusterState, Node
 
@@ -98,7 +98,7 @@ def cmd_heal(args: Namespace) -> int:
     while True:
         try:
             heal(state, yes=True)
-        except Interrupted:  # Ctrl-C in the middle of a replace ends the watch too
+        except (Interrupted, StateError):  # Ctrl-C in a replace; the cluster taken down or its state broken
             raise
         except CommandError as e:  # Slurm not answering, a replace that failed: the next pass tries again
             warn(f"this pass did not finish: {e}; trying again in {args.watch:g} s")

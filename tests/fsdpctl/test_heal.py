@@ -147,6 +147,14 @@ def test_watch_ends_when_a_replace_is_interrupted(cluster, monkeypatch, capsys):
     assert "configure canceled" in capsys.readouterr().err
 
 
+def test_watch_ends_when_the_cluster_is_taken_down(cluster, monkeypatch, capsys):
+    state, seen, _ = cluster
+    seen.append(states(("idle", None), ("idle", None), ("idle", None)))
+    monkeypatch.setattr(heal_mod.time, "sleep", lambda seconds: state.state_path.unlink())
+    assert main(["heal", "--cluster", "heal", "--watch", "30", "--yes"]) == 2
+    assert "cluster heal has no state file" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--watch", "60"], "--watch replaces nodes with nobody there to answer: add --yes"),
     (["--watch", "5", "--yes"], "--watch 5: give the seconds between passes, at least 10 (e.g. --watch 60)"),
