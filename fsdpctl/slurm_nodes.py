@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shlex
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,10 +94,14 @@ def run_slurm(record: ClusterRecord, command: str, *, check: bool = True, timeou
     return result
 
 
+def _scontrol_ping(record: ClusterRecord) -> subprocess.CompletedProcess:
+    """`scontrol ping` on the cluster: "Slurmctld(primary) at HOST is UP" (or DOWN), per controller."""
+    return remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
+
+
 def controller_name(record: ClusterRecord) -> str | None:
     """The node slurmctld runs on, as `scontrol ping` names it; None where it does not answer."""
-    result = remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
-    found = re.search(r"^Slurmctld\(primary\) at (\S+) is UP", result.stdout, re.MULTILINE)
+    found = re.search(r"^Slurmctld\(primary\) at (\S+) is UP", _scontrol_ping(record).stdout, re.MULTILINE)
     return found[1] if found else None
 
 
@@ -104,7 +109,7 @@ def slurm_status(record: ClusterRecord) -> tuple[bool, str]:
     """(whether slurmctld answers, why not): the reason is empty where Slurm is not installed at all
     (a cluster configured without the slurm role), and says what `scontrol ping` saw otherwise."""
     try:
-        result = remote.run(record, slurm_rank(record), "scontrol ping", timeout=SLURM_TIMEOUT_S, check=False)
+        result = _scontrol_ping(record)
     except UsageError:
         return False, ""
     if result.returncode == 0 and " is UP" in result.stdout:
