@@ -66,6 +66,9 @@ def test_down_cleans_up_after_a_sigkilled_up(prerequisites, tmp_path):
     spec = spec_file(tmp_path, name, subnet=SUBNET)
     proc = start_up(home, spec)
     local = wait_until_nodes_started(home, name, proc)
+    # Held where it is (SIGSTOP): on a loaded host the first `up` could otherwise finish while the second
+    # one starts (a clean clone's run did), and there would be no killed `up` left to clean up after.
+    proc.send_signal(signal.SIGSTOP)
     # a second `up` of the same cluster meanwhile is refused, and leaves the first one alone
     second = fsdpctl(home, "up", str(spec), "--target", "local", check=False)
     assert second.returncode == 2 and "is busy: fsdpctl up (pid" in second.stderr
