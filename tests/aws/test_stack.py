@@ -474,33 +474,76 @@ def test_destroy_and_replace_catch_a_concurrent_update_with_the_full_cancel_comm
     assert terminated == []  # a locked stack is found before the node is terminated
 
 
-def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulumi, fsdpctl_home, tmp_path,
-                                                                        monkeypatch):
-    from infra.program import RETEMPLATE_KEY, node_urn
+class ReplacingStack(LockedStack):
+    """A stack whose refresh succeeds and whose state holds `held` (URNs) afterwards; `up` records
+    the retemplate config and its arguments, then fails as the CLI does."""
 
-    class FailingUp(LockedStack):
-        def refresh(self, **kwargs):
-            return auto.RefreshResult("", "", auto.UpdateSummary(
-                kind="refresh", start_time=None, message="", environment={}, config={}, result="succeeded",
-                end_time=None, version=1, deployment=None, resource_changes={"same": 9}))
+    def __init__(self, held: list[str]):
+        super().__init__()
+        self.held, self.seen = held, None
 
-        def up(self, **kwargs):
-            self.seen = (dict(self.config), kwargs["replace"])
-            raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr="boom", code=1))
+    def refresh(self, **kwargs):
+        return auto.RefreshResult("", "", auto.UpdateSummary(
+            kind="refresh", start_time=None, message="", environment={}, config={}, result="succeeded",
+            end_time=None, version=1, deployment=None, resource_changes={"same": 9}))
 
-    fake = FailingUp()
+    def export_stack(self):
+        return auto.Deployment(version=3, deployment={"resources": [
+            {"urn": urn, "type": "aws:ec2/instance:Instance", "custom": True, "id": "i-1"}
+            for urn in self.held]})
+
+    def up(self, **kwargs):
+        self.seen = (dict(self.config), kwargs)
+        raise auto.errors.CommandError(auto.CommandResult(stdout="", stderr="boom", code=1))
+
+
+def _replace_rank_1(tmp_path, monkeypatch, held_ranks: list[int]) -> tuple[ReplacingStack, list, list[str]]:
+    """`replace_node(rank 1)` of a 2-node cluster whose stack state holds the instances of
+    `held_ranks` after the refresh: (the stack, the instances terminated, what was printed)."""
+    from infra.program import node_urn
+
+    spec = make_spec(node_count=2)
+    fake = ReplacingStack([node_urn(spec.name, spec, r) for r in held_ranks])
     monkeypatch.setattr(stack, "open_stack", lambda spec, command, create: fake)
     monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
-    monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
-    spec = make_spec(node_count=2)
+    terminated: list = []
+    monkeypatch.setattr(stack.sweep, "terminate_and_wait",
+                        lambda aws, leftovers, out: terminated.extend(leftovers) or [])
     state = new_state(tmp_path, spec)
     state.update(pulumi_stack=spec.name, nodes=[
         {"rank": r, "name": f"pf-node{r}", "address": f"10.0.0.{r}", "instance_id": f"i-{r}"}
         for r in (0, 1)])
+    said: list[str] = []
     with pytest.raises(CommandError, match="pulumi up failed"):
-        stack.replace_node(state, spec, 1, out=lambda _: None)
-    assert fake.seen == ({RETEMPLATE_KEY: "[1]"}, [node_urn(spec.name, spec, 1)])
+        stack.replace_node(state, spec, 1, out=said.append)
+    return fake, terminated, said
+
+
+def test_replace_lets_only_the_replaced_rank_take_the_current_template(fake_pulumi, fsdpctl_home, tmp_path,
+                                                                        monkeypatch):
+    from infra.program import RETEMPLATE_KEY, node_urn
+
+    fake, terminated, _ = _replace_rank_1(tmp_path, monkeypatch, held_ranks=[0, 1])
+    urn = node_urn("pf", make_spec(node_count=2), 1)
+    config, kwargs = fake.seen
+    assert config == {RETEMPLATE_KEY: "[1]"}
+    assert (kwargs["target"], kwargs["replace"], kwargs["target_dependents"]) == ([urn], [urn], True)
+    assert [leftover.id for leftover in terminated] == ["i-1"]  # first, so a reservation has the slot
     assert fake.config == {}
+
+
+def test_replace_of_an_instance_ec2_took_back_creates_it_without_a_replace(fake_pulumi, fsdpctl_home,
+                                                                            tmp_path, monkeypatch):
+    """A spot node EC2 reclaimed is terminated: the refresh drops it from the stack (the AWS provider
+    reads a terminated instance as gone), and Pulumi refuses `--replace` of a URN its stack does not
+    hold, so the targeted up creates it instead, and nothing is terminated."""
+    from infra.program import node_urn
+
+    fake, terminated, said = _replace_rank_1(tmp_path, monkeypatch, held_ranks=[0])
+    _, kwargs = fake.seen
+    assert (kwargs["target"], kwargs["replace"]) == ([node_urn("pf", make_spec(node_count=2), 1)], None)
+    assert terminated == []
+    assert "pf-node1 (i-1) is already gone from AWS; pulumi up creates it again" in "\n".join(said)
 
 
 # ---- expiry: a second day ---------------------------------------------------------------------

@@ -60,6 +60,12 @@ class SettingsFileStack(RecordingStack):
         config_file = kwargs.get("config_file")
         self.previewed.append(yaml.safe_load(Path(config_file).read_text()) if config_file else None)
 
+    def export_stack(self):
+        """The state after the refresh: the approved spec's nodes but pf-node0, which it found gone."""
+        return auto.Deployment(version=3, deployment={"resources": [
+            {"urn": node_urn("pf", APPROVED, rank), "type": "aws:ec2/instance:Instance", "custom": True}
+            for rank in range(1, APPROVED.node_count)]})
+
     def up(self, **kwargs):
         self.calls.append(("up", {"config": dict(self.config), **kwargs}))
         return auto.UpResult("", "", auto.UpdateSummary(

@@ -743,24 +743,33 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     # Refresh before anything is destroyed: a stack locked by another pulumi run stops here, with the
     # node still running, and the update below starts from what AWS holds.
     refresh(stack, spec, out, what=f"replace {rank}")
-    # Terminate first: with a reservation sized to the cluster, the replacement needs the slot the
-    # old instance holds (Pulumi would otherwise create the new one before deleting the old).
-    out(f"terminating {node.name} ({node.instance_id}) ...")
-    leftover = sweep.Leftover("instance", node.instance_id or "", node.name)
-    failures = sweep.terminate_and_wait(aws, [leftover], out)
-    if failures:
-        raise CommandError(f"could not terminate {node.instance_id}: {failures[0][1]}; "
-                           f"run `fsdpctl replace {rank}` again")
-    out(f"pulumi up --replace {node.name} (with the launch template's current version) ...")
+    urn = node_urn(spec.name, spec, rank)
+    if urn in {resource.urn for resource in _stack_resources(stack)}:
+        # Terminate first: with a reservation sized to the cluster, the replacement needs the slot the
+        # old instance holds (Pulumi would otherwise create the new one before deleting the old).
+        out(f"terminating {node.name} ({node.instance_id}) ...")
+        leftover = sweep.Leftover("instance", node.instance_id or "", node.name)
+        failures = sweep.terminate_and_wait(aws, [leftover], out)
+        if failures:
+            raise CommandError(f"could not terminate {node.instance_id}: {failures[0][1]}; "
+                               f"run `fsdpctl replace {rank}` again")
+        replace: list[str] | None = [urn]
+        out(f"pulumi up --replace {node.name} (with the launch template's current version) ...")
+    else:
+        # EC2 took the instance back (a spot interruption) or it was terminated outside fsdpctl, and the
+        # refresh dropped it from the stack. Pulumi refuses `--replace` of a resource its stack does not
+        # hold ("one or more targets could not be found in the stack"); a targeted up creates it.
+        replace = None
+        out(f"{node.name} ({node.instance_id}) is already gone from AWS; pulumi up creates it again "
+            "(with the launch template's current version) ...")
     started = time.monotonic()
     # The nodes ignore template changes (infra/components/compute.py); this one run lets the
     # replaced rank take the current template version, every other node keeps its own.
     stack.set_config(RETEMPLATE_KEY, auto.ConfigValue(json.dumps([rank])))
-    urn = node_urn(spec.name, spec, rank)
     try:
         # Only this node, and what takes its id (its expiry schedule): nothing else the stack
         # config may hold is applied by a replace.
-        result = stack.up(target=[urn], target_dependents=True, replace=[urn], on_output=_progress(out),
+        result = stack.up(target=[urn], target_dependents=True, replace=replace, on_output=_progress(out),
                           color="never")
     except auto.errors.ConcurrentUpdateError as e:
         raise _locked(spec, e, f"replace {rank}") from None
