@@ -521,10 +521,55 @@ def replace(state: ClusterState, rank: int, *, yes: bool) -> None:
             except DeployError as e:
                 raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
                                    "run `fsdpctl deploy`.") from None
+        _introduce_to_the_others(state, node, configured=configured is not None)
         _slurm_node(state, record, node.name, drain_reason=None)
     say(f"{node.name} replaced" + (" and configured" if configured else "")
         + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {rank} is back in the cluster")
+
+
+ADDRESS_ROLES = ("common", "slurm", "monitoring")
+"""The roles that write every node's address on each node: /etc/hosts, slurm.conf's NodeAddr (where
+slurmctld reaches slurmd) and Prometheus's scrape targets."""
+
+
+def _introduce_to_the_others(state: ClusterState, old: Node, *, configured: bool) -> None:
+    """What the other nodes knew of the replaced one, brought up to date:
+
+    - its host key: they learnt the old one at their first node-to-node SSH (accept-new, role
+      cluster_ssh) and would refuse the new one (mpirun, nccl-tests), so it is forgotten and the
+      next SSH learns the new one;
+    - its address, where the new instance has another (an AWS replacement gets a new private IP; a
+      local node keeps its own): the roles that write it are run on the other nodes.
+    """
+    from fsdpctl import remote
+    from fsdpctl.configure import print_summary, run_configure
+
+    new = next(n for n in state.read().nodes if n.rank == old.rank)
+    others = [n for n in remote.cluster_nodes(state) if n.rank != old.rank]
+    if not others:
+        return
+    hosts = " ".join(dict.fromkeys([old.name, old.address, new.address]))
+    # `; true`: a known_hosts without the host is no failure; only a node that does not answer is.
+    forget = f"for host in {hosts}; do ssh-keygen -R $host >/dev/null 2>&1; done; true"
+    answers = remote.run_all(state, forget, ranks=[n.rank for n in others], timeout=60, check=False)
+    answered = [n for n in others if answers[n.rank].returncode == 0]
+    if len(answered) < len(others):
+        # A node that does not answer (another one EC2 took back, say) must not keep this one out of
+        # service: it learns the new key and address when it is replaced or configured.
+        warn(f"{', '.join(n.name for n in others if n not in answered)} did not answer: it still knows "
+             f"{old.name}'s old host key{'' if new.address == old.address else ' and address'} until "
+             f"`fsdpctl configure` reaches it")
+    if new.address == old.address or not configured or not answered:
+        return
+    say(f"{new.name} has a new address ({old.address} -> {new.address}): running the roles that list "
+        f"every node's address ({', '.join(ADDRESS_ROLES)}) on the other nodes")
+    result = run_configure(state, tags=list(ADDRESS_ROLES), limit=",".join(n.name for n in answered))
+    if not result.ok:
+        print_summary(result)
+        raise CommandError(f"the other nodes still list {new.name} at its old address {old.address} "
+                           f"({result.status}, logs in {result.run_dir}): Slurm cannot reach it there. "
+                           f"Fix it, then run `fsdpctl configure --tags {','.join(ADDRESS_ROLES)}`.")
 
 
 def cmd_extend(args: Namespace) -> int:

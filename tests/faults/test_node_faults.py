@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 NAME = "flt-nodes"
 SUBNET = "198.18.50.0/24"  # the fault suite's subnet
+# BatchMode: fail instead of asking for a password or a host-key confirmation
+NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 SEED = int(os.environ.get("FSDP_FAULT_SEED", time.time_ns() % 100_000))
 RANDOM = random.Random(SEED)
 COLLECTIVE_TIMEOUT_S = 30  # distributed.timeout_s for the link-cut run (the trainer's lowest allowed)
@@ -140,6 +142,8 @@ def power_off(home: Path, rank: int) -> None:
 
 
 def test_a_node_dying_during_deploy_is_named_and_a_rerun_after_replace_skips_the_others(home, cluster, fault):
+    # node 0 learns node 1's host key (node-to-node SSH accepts a new key, refuses a changed one)
+    fsdpctl(home, "ssh", "0", "--cluster", NAME, "--", f"{NODE_SSH} {NAME}-node1 true")
     # forget the installed trainer on both nodes, so that deploy has work to do on each
     for rank in (0, 1):
         fsdpctl(home, "ssh", str(rank), "--cluster", NAME, "--", "rm -f ~/.fsdp-cluster/venv/.fsdp-trainer")
@@ -161,6 +165,10 @@ def test_a_node_dying_during_deploy_is_named_and_a_rerun_after_replace_skips_the
     # the replacement is configured and, since the trainer was deployed before, deployed to
     replaced = fsdpctl(home, "replace", "1", "--yes", "--cluster", NAME, timeout=1200)
     assert "node 1: installed" in replaced.stdout, replaced.stdout[-3000:]
+    # node 0 forgot the old node's host key: SSH to the new one (its own key) works without a prompt
+    reached = fsdpctl(home, "ssh", "0", "--cluster", NAME, "--", f"{NODE_SSH} {NAME}-node1 hostname",
+                      check=False)
+    assert (reached.returncode, reached.stdout.strip()) == (0, f"{NAME}-node1"), reached.stderr
     rerun = fsdpctl(home, "deploy", "--cluster", NAME, timeout=900)
     for rank in (0, 1):  # nothing is installed twice
         assert f"node {rank}: already installed" in rerun.stdout, rerun.stdout
