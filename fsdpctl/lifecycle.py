@@ -529,8 +529,9 @@ def replace(state: ClusterState, rank: int, *, yes: bool) -> None:
 
 
 ADDRESS_ROLES = ("common", "slurm", "monitoring")
-"""The roles that write every node's address on each node: /etc/hosts, slurm.conf's NodeAddr (where
-slurmctld reaches slurmd) and Prometheus's scrape targets."""
+"""The roles that write every node's address or instance id on each node: /etc/hosts, slurm.conf's
+NodeAddr (where slurmctld reaches slurmd), the instance ids power saving starts and stops, and
+Prometheus's scrape targets."""
 
 
 def _introduce_to_the_others(state: ClusterState, old: Node, *, configured: bool) -> None:
@@ -539,8 +540,9 @@ def _introduce_to_the_others(state: ClusterState, old: Node, *, configured: bool
     - its host key: they learnt the old one at their first node-to-node SSH (accept-new, role
       cluster_ssh) and would refuse the new one (mpirun, nccl-tests), so it is forgotten and the
       next SSH learns the new one;
-    - its address, where the new instance has another (an AWS replacement gets a new private IP; a
-      local node keeps its own): the roles that write it are run on the other nodes.
+    - its address and instance id, where the new instance has others (an AWS replacement gets a new
+      private IP and id; a local node keeps its address and has no id): the roles that write them
+      are run on the other nodes.
     """
     from fsdpctl import remote
     from fsdpctl.configure import print_summary, run_configure
@@ -554,16 +556,18 @@ def _introduce_to_the_others(state: ClusterState, old: Node, *, configured: bool
     forget = f"for host in {hosts}; do ssh-keygen -R $host >/dev/null 2>&1; done; true"
     answers = remote.run_all(state, forget, ranks=[n.rank for n in others], timeout=60, check=False)
     answered = [n for n in others if answers[n.rank].returncode == 0]
+    moved = (new.address, new.instance_id) != (old.address, old.instance_id)
     if len(answered) < len(others):
         # A node that does not answer (another one EC2 took back, say) must not keep this one out of
         # service: it learns the new key and address when it is replaced or configured.
         warn(f"{', '.join(n.name for n in others if n not in answered)} did not answer: it still knows "
-             f"{old.name}'s old host key{'' if new.address == old.address else ' and address'} until "
+             f"{old.name}'s old host key{' and address' if moved else ''} until "
              f"`fsdpctl configure` reaches it")
-    if new.address == old.address or not configured or not answered:
+    if not moved or not configured or not answered:
         return
-    say(f"{new.name} has a new address ({old.address} -> {new.address}): running the roles that list "
-        f"every node's address ({', '.join(ADDRESS_ROLES)}) on the other nodes")
+    say(f"{new.name} is a new instance (address {old.address} -> {new.address}, instance "
+        f"{old.instance_id or '-'} -> {new.instance_id or '-'}): running the roles that list every node's "
+        f"address and instance id ({', '.join(ADDRESS_ROLES)}) on the other nodes")
     result = run_configure(state, tags=list(ADDRESS_ROLES), limit=",".join(n.name for n in answered))
     if not result.ok:
         print_summary(result)

@@ -44,8 +44,10 @@ def cluster(tmp_path, monkeypatch):
     return state, old, ran, configured, down
 
 
-def _readdress(state, rank: int, address: str) -> None:
-    state.update(nodes=[{**n.model_dump(), "address": address if n.rank == rank else n.address}
+def _readdress(state, rank: int, address: str, instance_id: str | None = None) -> None:
+    """Rank `rank` as a new instance left it: at `address`, with `instance_id`."""
+    state.update(nodes=[{**n.model_dump(), **({"address": address, "instance_id": instance_id}
+                                               if n.rank == rank else {})}
                         for n in state.read().nodes])
 
 
@@ -59,11 +61,19 @@ def test_same_address_the_others_forget_the_old_host_key_and_nothing_is_configur
 
 def test_a_new_address_reaches_the_others_hosts_slurm_and_prometheus(cluster, capsys):
     state, old, ran, configured, _ = cluster
-    _readdress(state, 1, "10.0.7.19")
+    _readdress(state, 1, "10.0.7.19", "i-0b1")
     lifecycle._introduce_to_the_others(state, old, configured=True)
     assert "for host in rpl-node1 198.18.9.3 10.0.7.19;" in ran[2]
     assert configured == [("common,slurm,monitoring", "rpl-node0,rpl-node2")]
-    assert "rpl-node1 has a new address (198.18.9.3 -> 10.0.7.19)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "rpl-node1 is a new instance (address 198.18.9.3 -> 10.0.7.19, instance - -> i-0b1)" in said
+
+
+def test_a_new_instance_id_at_the_same_address_reaches_power_saving_on_the_others(cluster):
+    state, old, _, configured, _ = cluster
+    _readdress(state, 1, old.address, "i-0b1")
+    lifecycle._introduce_to_the_others(state, old, configured=True)
+    assert configured == [("common,slurm,monitoring", "rpl-node0,rpl-node2")]
 
 
 def test_a_node_that_does_not_answer_is_left_out_and_named(cluster, capsys):
