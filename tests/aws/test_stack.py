@@ -645,3 +645,54 @@ def test_status_counts_a_node_stopped_by_power_saving_as_healthy(aws, fsdpctl_ho
                              known_hosts=tmp_path / "kh").record(state)
     # node1 is Slurm's to stop and start; node0 runs the controller and must run.
     assert stack.health(state) == [f"pf-node0: instance {ids[0]} is stopped"]
+
+
+# ---- a new node's boot ---------------------------------------------------------------------------
+def _booting(tmp_path, monkeypatch, answers_after: int):
+    """A replaced node whose sshd answers from its `answers_after`-th try on (ssh exits 255 before),
+    with a clock that moves one poll per try: (the state, its node, the tries, what was printed)."""
+    from fsdpctl import remote
+
+    spec = make_spec(node_count=2)
+    state = new_state(tmp_path, spec)
+    state.update(nodes=[{"rank": 1, "name": "pf-node1", "address": "10.0.7.19", "instance_id": "i-0b1"}])
+    node = state.read().nodes[0]
+    tries: list[int] = []
+
+    def run(cluster, rank, command, *, timeout, check):
+        tries.append(rank)
+        refused = "channel 0: open failed: connect failed: Connection refused"
+        return (SimpleNamespace(returncode=0, stderr="") if len(tries) >= answers_after
+                else SimpleNamespace(returncode=255, stderr=f"{refused}\n"))
+
+    monkeypatch.setattr(remote, "run", run)
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    return state, node, tries, [], clock, sleep
+
+
+def test_a_replaced_node_is_waited_for_until_its_sshd_answers(tmp_path, monkeypatch):
+    state, node, tries, said, clock, sleep = _booting(tmp_path, monkeypatch, answers_after=4)
+    stack.wait_for_ssh(state, node, said.append, clock=clock, sleep=sleep)
+    assert tries == [1, 1, 1, 1]
+    assert said[:3] == [f"waiting for pf-node1 to answer SSH ({s} s) ..." for s in (0, 15, 30)]
+    assert said[-1] == "pf-node1 answers SSH (45 s after EC2 started it)"
+
+
+def test_a_node_that_never_answers_ends_the_wait_with_its_boot_log_command(tmp_path, monkeypatch):
+    state, node, tries, said, clock, sleep = _booting(tmp_path, monkeypatch, answers_after=10**6)
+    with pytest.raises(CommandError) as failed:
+        stack.wait_for_ssh(state, node, said.append, timeout_s=60, clock=clock, sleep=sleep)
+    message = str(failed.value)
+    assert len(tries) == 5  # at 0, 15, 30, 45 and 60 s
+    assert message.startswith("pf-node1 (i-0b1, 10.0.7.19) did not answer SSH within 60 s of EC2 starting it "
+                              "(channel 0: open failed: connect failed: Connection refused)")
+    assert "aws ec2 get-console-output --instance-id i-0b1 --latest --output text" in message
+    assert message.endswith("run `fsdpctl configure --limit pf-node1` and `fsdpctl deploy`; if it never "
+                            "does, `fsdpctl replace 1` again.")

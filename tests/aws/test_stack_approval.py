@@ -137,7 +137,10 @@ def test_replace_after_a_declined_up_updates_only_its_node_and_what_names_it(dec
     monkeypatch.setattr(stack.AwsClients, "for_spec", classmethod(lambda cls, spec: None))
     monkeypatch.setattr(stack.sweep, "terminate_and_wait", lambda aws, leftovers, out: [])
     monkeypatch.setattr(stack, "_record_outputs", lambda *args: None)
+    waited = []  # the new node's boot (tests/aws/test_stack.py): no SSH from here
+    monkeypatch.setattr(stack, "wait_for_ssh", lambda state, node, out: waited.append(node.name))
     stack.replace_node(state, APPROVED, 1, out=lambda _: None)
+    assert waited == ["pf-node1"]
     (call,) = [c for name, c in fake.calls if name == "up"]
     urn = node_urn("pf", APPROVED, 1)
     assert (call["target"], call["replace"], call["target_dependents"]) == ([urn], [urn], True)

@@ -782,3 +782,36 @@ def replace_node(state: ClusterState, spec: ClusterSpec, rank: int, *, out: Out)
     new = next(n for n in state.read().nodes if n.rank == rank)
     out(f"{node.name}: {node.instance_id} -> {new.instance_id} ({new.address}) "
         f"in {time.monotonic() - started:.0f} s")
+    wait_for_ssh(state, new, out)
+
+
+NODE_BOOT_TIMEOUT_S = 900
+"""How long a new instance may take from `running` to answering SSH: a p5 on the Deep Learning AMI
+takes minutes (its EFA, NVMe and driver set-up run at boot)."""
+NODE_BOOT_POLL_S = 15
+
+
+def wait_for_ssh(state: ClusterState, node: state_mod.Node, out: Out, *,
+                 timeout_s: float = NODE_BOOT_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait until a new node answers SSH. EC2 calls an instance running, and `pulumi up` returns, before
+    its sshd listens; the configure that follows a replace would find it unreachable at once."""
+    from fsdpctl import remote
+
+    started = clock()
+    while True:
+        answer = remote.run(state, node.rank, "true", timeout=30, check=False)
+        waited = clock() - started
+        if answer.returncode == 0:
+            out(f"{node.name} answers SSH ({waited:.0f} s after EC2 started it)")
+            return
+        if waited >= timeout_s:
+            why = (answer.stderr.strip().splitlines() or ["no answer"])[-1]
+            raise CommandError(
+                f"{node.name} ({node.instance_id}, {node.address}) did not answer SSH within "
+                f"{timeout_s:.0f} s of EC2 starting it ({why}). Its boot log: aws ec2 get-console-output "
+                f"--instance-id {node.instance_id} --latest --output text. Once it answers, run `fsdpctl "
+                f"configure --limit {node.name}` and `fsdpctl deploy`; if it never does, `fsdpctl replace "
+                f"{node.rank}` again.")
+        out(f"waiting for {node.name} to answer SSH ({waited:.0f} s) ...")
+        sleep(NODE_BOOT_POLL_S)
