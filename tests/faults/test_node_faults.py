@@ -24,14 +24,19 @@ from fsdpctl.checks.context import check_context
 from fsdpctl.checks.torchrun import NODE_TIMEOUT_S, read_remote_metrics
 from fsdpctl.checks.training import trainer_args
 from fsdpctl.state import cluster_state
-from tests.local.conftest import REPO, fsdpctl, host_leftovers, read_state, require_local_prerequisites
+from tests.local.conftest import (
+    NODE_SSH,
+    REPO,
+    fsdpctl,
+    host_leftovers,
+    read_state,
+    require_local_prerequisites,
+)
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 NAME = "flt-nodes"
 SUBNET = "198.18.50.0/24"  # the fault suite's subnet
-# BatchMode: fail instead of asking for a password or a host-key confirmation
-NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 SEED = int(os.environ.get("FSDP_FAULT_SEED", time.time_ns() % 100_000))
 RANDOM = random.Random(SEED)
 COLLECTIVE_TIMEOUT_S = 30  # distributed.timeout_s for the link-cut run (the trainer's lowest allowed)

@@ -20,6 +20,8 @@ from fsdpctl.targets.local.host import missing_commands
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "198.18.1.0/24"  # test_configure's; every module that boots nodes has a subnet of its own
+# Node-to-node SSH run on a node. BatchMode: fail instead of asking for a password or a host-key confirmation.
+NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 
 
 def spec_file(directory: Path, name: str, *, node_count: int = 2, subnet: str = SUBNET, **overrides) -> Path:

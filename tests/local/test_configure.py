@@ -22,14 +22,12 @@ from fsdpctl import remote
 from fsdpctl.configure import run_configure
 from fsdpctl.state import cluster_state
 from fsdpctl.targets.local import keeper
-from tests.local.conftest import REPO, fsdpctl
+from tests.local.conftest import NODE_SSH, REPO, fsdpctl
 from tests.local.demo_cluster import ADDRESSES, NAME, NODES, DemoCluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 GPU_ROLES = ("nvidia", "cuda", "efa", "nccl", "gpudirect")
-# BatchMode: fail instead of asking for a password or a host-key confirmation
-NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
 RECAP = re.compile(r"^(\S+) ok=(\d+) changed=(\d+) failed=(\d+) skipped=(\d+)", re.MULTILINE)
 
 
