@@ -7,7 +7,10 @@ stack, which lives where `fsdpctl up` ran, can launch another. So heal runs ther
 `--watch`: each node drained by a notice is replaced once no job is left on it (`fsdpctl replace`: a
 new instance of the same rank and name, configured, deployed to and back in service in Slurm), and the
 requeued jobs start on it. Nodes drained for anything else (a failed health check, `fsdpctl exclude`)
-are left to the operator, who knows whether a new instance is the fix.
+are left to the operator, who knows whether a new instance is the fix. So is a node whose replacement
+runs but failed its configure or deploy (drained `fsdpctl replace failed: ...`): another instance would
+fail the same way. A replacement that never started (no capacity) or never answered SSH keeps the
+notice as its reason, and the next pass tries again.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class HealPlan:
     """Drained by a notice and no job left there: replaced now."""
     waiting: tuple[Node, ...]
     """Drained by a notice, its jobs still checkpointing (`draining`): replaced on a later pass."""
+    failed: tuple[Node, ...]
+    """A replacement of it runs but failed its configure or deploy: left to the operator."""
     controller: Node | None
     """Slurm's controller, if a notice drained it: left to the operator (a new controller starts with
     an empty queue and a new munge key, which every node must then be configured with)."""
@@ -41,9 +46,11 @@ def plan_heal(nodes: list[Node], states: dict[str, NodeState], controller: str |
     """The cluster's nodes (excluded ones left out) that a spot notice drained, by whether they can be
     replaced now. A node whose instance EC2 already took back does not answer: Slurm then shows it
     `drained*` or `down*` with the notice still as its reason, and no job can be left on it."""
-    ready, waiting, drained_controller = [], [], None
+    ready, waiting, failed, drained_controller = [], [], [], None
     for node in nodes:
         seen = states.get(node.name)
+        if seen is not None and seen.replace_failed:
+            failed.append(node)
         if seen is None or not seen.spot_notice:
             continue
         if node.name == controller:
@@ -52,7 +59,8 @@ def plan_heal(nodes: list[Node], states: dict[str, NodeState], controller: str |
             waiting.append(node)
         elif seen.state.startswith(("drained", "down")):
             ready.append(node)
-    return HealPlan(ready=tuple(ready), waiting=tuple(waiting), controller=drained_controller)
+    return HealPlan(ready=tuple(ready), waiting=tuple(waiting), failed=tuple(failed),
+                    controller=drained_controller)
 
 
 def heal(state: ClusterState, *, yes: bool) -> HealPlan:
@@ -75,10 +83,14 @@ def heal(state: ClusterState, *, yes: bool) -> HealPlan:
     for node in found.waiting:
         say(f"{node.name}: {states[node.name].reason}; its jobs are still checkpointing, replaced once they "
             "have left")
+    for node in found.failed:
+        say(f"{node.name}: {states[node.name].reason}; left to you (another instance would fail the same "
+            f"way): once fixed, `fsdpctl ssh 0 -- sudo scontrol update nodename={node.name} state=resume`, "
+            f"or `fsdpctl replace {node.rank}` again")
     for node in found.ready:
         say(f"{node.name}: {states[node.name].reason}; replacing it")
         replace(state, node.rank, yes=yes)
-    if not found.ready and not found.waiting and found.controller is None:
+    if not found.ready and not found.waiting and not found.failed and found.controller is None:
         say(f"cluster {state.name}: no node drained by a spot notice")
     return found
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fsdpctl import slurm_nodes, targets
 from fsdpctl import state as state_mod
-from fsdpctl.configure import stop_orphaned_playbooks
+from fsdpctl.configure import ConfigureResult, stop_orphaned_playbooks
 from fsdpctl.console import confirm, line_buffered, print_json, say, warn
 from fsdpctl.errors import CommandError, UsageError, missing_package
 from fsdpctl.inventory import write_inventory
@@ -316,7 +316,7 @@ def _print_slurm_nodes(nodes: dict[str, NodeState] | None, not_asked: str | None
         say("  a node a spot notice drained: `fsdpctl heal` replaces it once its jobs have left "
             "(docs/slurm.md)")
     if out_of_service:
-        say("  once the cause is fixed: fsdpctl ssh 0 -- scontrol update nodename=NAME state=resume "
+        say("  once the cause is fixed: fsdpctl ssh 0 -- sudo scontrol update nodename=NAME state=resume "
             "(docs/slurm.md, node health checks)")
 
 
@@ -440,7 +440,8 @@ def cmd_exclude(args: Namespace) -> int:
     record = state.change(lambda current: {"excluded": sorted(
         [e for e in current.excluded if e.rank != args.rank] + [entry], key=lambda e: e.rank)})
     say(f"excluded rank {args.rank} from cluster {state.name}: {reason}")
-    _slurm_node(state, record, next(n.name for n in record.nodes if n.rank == args.rank), drain_reason=reason)
+    _slurm_node(state, record, next(n.name for n in record.nodes if n.rank == args.rank),
+                drain_reason=f"fsdpctl exclude: {reason}")
     # another exclude may have taken the last nodes since: decide on the state as it is now
     if state.read().active_nodes():
         with contextlib.suppress(UsageError):  # ... or between this read and the rewrite
@@ -453,13 +454,15 @@ def cmd_exclude(args: Namespace) -> int:
 
 def _slurm_node(state: ClusterState, record: ClusterRecord, node_name: str, *, drain_reason: str | None
                 ) -> None:
-    """Drain a node in Slurm (`exclude`), or return it to service (`replace`), where Slurm runs."""
+    """Drain a node in Slurm with a reason (`exclude`, a failed `replace`), or return it to service
+    (`replace`), where Slurm runs."""
     try:
         if not slurm_nodes.slurm_configured(record):
             return
         if drain_reason is not None:
-            slurm_nodes.drain(record, node_name, f"fsdpctl exclude: {drain_reason}")
-            say(f"drained {node_name} in Slurm (running jobs finish, no new ones start there)")
+            slurm_nodes.drain(record, node_name, drain_reason)
+            say(f"drained {node_name} in Slurm ({drain_reason}): running jobs finish, no new ones start "
+                "there")
         else:
             if slurm_nodes.run_slurm(record, f"scontrol show node {node_name}", check=False).returncode:
                 # A configure while the node was excluded wrote slurm.conf without it: add it back
@@ -495,37 +498,57 @@ def replace(state: ClusterState, rank: int, *, yes: bool) -> None:
             f"{node.name} takes its place")
         confirm(f"Replace {node.name}?", yes=yes)
         started = time.monotonic()
+        # A failure up to here (no capacity, an instance that never answers SSH) keeps the node's drain
+        # reason: for a spot node `fsdpctl heal` tries again with another instance on its next pass.
         target.replace_node(state, spec, rank, out=say)
-
-        from fsdpctl.configure import print_summary, run_configure
-        from fsdpctl.deploy import DeployError, deploy
-
-        # The blacklist entry was about the old node; the new one must be in the inventory to be
-        # configured and deployed.
-        record = state.change(lambda now: {"excluded": [e for e in now.excluded if e.rank != rank]})
-        write_inventory(state)
-        # The new node is brought to where the others are: a cluster never configured stays so (the
-        # roles on one node of it would wait for services, such as slurmctld, the others never got).
-        configured = run_configure(state, limit=node.name) if record.last_configure else None
-        if configured is None:
-            say(f"cluster {state.name} was never configured: {node.name} is left as booted (`fsdpctl "
-                "configure` configures every node)")
-        elif not configured.ok:
-            print_summary(configured)
-            raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "
-                               f"{configured.run_dir}). Fix it, then run `fsdpctl configure --limit "
-                               f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
-        if record.deploy is not None:
-            try:
-                deploy(state, record, ranks=[rank])
-            except DeployError as e:
-                raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
-                                   "run `fsdpctl deploy`.") from None
-        _introduce_to_the_others(state, node, configured=configured is not None)
+        try:
+            record, configured = _bring_up_to_date(state, node)
+        except CommandError as e:
+            # The new instance runs but is not fit for service, and another one would fail the same way
+            # (the configure or the deploy is at fault): out of service with a reason of its own, which
+            # heal leaves to the operator instead of replacing it again on every pass.
+            what = str(e).split(". ")[0][:160]  # a drain reason is one line of `sinfo -R`
+            _slurm_node(state, state.read(), node.name,
+                        drain_reason=f"{slurm_nodes.REPLACE_FAILED_REASON}: {what}")
+            raise type(e)(f"{str(e).rstrip('.')}. {node.name} stays drained in Slurm and bills as a running "
+                          "instance until then; `fsdpctl heal` leaves it to you. Once it is fixed: `fsdpctl "
+                          f"ssh 0 -- sudo scontrol update nodename={node.name} state=resume` (or `fsdpctl "
+                          f"replace {rank}` again, or `fsdpctl exclude {rank}`).") from None
         _slurm_node(state, record, node.name, drain_reason=None)
     say(f"{node.name} replaced" + (" and configured" if configured else "")
         + (", and the trainer deployed" if record.deploy else "")
         + f" in {time.monotonic() - started:.0f} s; rank {rank} is back in the cluster")
+
+
+def _bring_up_to_date(state: ClusterState, node: Node) -> tuple[ClusterRecord, ConfigureResult | None]:
+    """The new instance of `node` configured and deployed to as the others are, and the others told
+    of it; the record as it then is, and the configure run (None where the cluster never had one)."""
+    from fsdpctl.configure import print_summary, run_configure
+    from fsdpctl.deploy import DeployError, deploy
+
+    # The blacklist entry was about the old node; the new one must be in the inventory to be
+    # configured and deployed.
+    record = state.change(lambda now: {"excluded": [e for e in now.excluded if e.rank != node.rank]})
+    write_inventory(state)
+    # The new node is brought to where the others are: a cluster never configured stays so (the
+    # roles on one node of it would wait for services, such as slurmctld, the others never got).
+    configured = run_configure(state, limit=node.name) if record.last_configure else None
+    if configured is None:
+        say(f"cluster {state.name} was never configured: {node.name} is left as booted (`fsdpctl "
+            "configure` configures every node)")
+    elif not configured.ok:
+        print_summary(configured)
+        raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "
+                           f"{configured.run_dir}). Fix it, then run `fsdpctl configure --limit "
+                           f"{node.name}`" + (" and `fsdpctl deploy`." if record.deploy else "."))
+    if record.deploy is not None:
+        try:
+            deploy(state, record, ranks=[node.rank])
+        except DeployError as e:
+            raise CommandError(f"deploying the trainer to the new {node.name} failed: {e}. Fix it, then "
+                               "run `fsdpctl deploy`.") from None
+    _introduce_to_the_others(state, node, configured=configured is not None)
+    return record, configured
 
 
 ADDRESS_ROLES = ("common", "slurm", "monitoring")
@@ -547,14 +570,15 @@ def _introduce_to_the_others(state: ClusterState, old: Node, *, configured: bool
     from fsdpctl import remote
     from fsdpctl.configure import print_summary, run_configure
 
-    new = next(n for n in state.read().nodes if n.rank == old.rank)
-    others = [n for n in remote.cluster_nodes(state) if n.rank != old.rank]
+    record = state.read()
+    new = next(n for n in record.nodes if n.rank == old.rank)
+    others = [n for n in remote.cluster_nodes(record) if n.rank != old.rank]
     if not others:
         return
     hosts = " ".join(dict.fromkeys([old.name, old.address, new.address]))
     # `; true`: a known_hosts without the host is no failure; only a node that does not answer is.
     forget = f"for host in {hosts}; do ssh-keygen -R $host >/dev/null 2>&1; done; true"
-    answers = remote.run_all(state, forget, ranks=[n.rank for n in others], timeout=60, check=False)
+    answers = remote.run_all(record, forget, ranks=[n.rank for n in others], timeout=60, check=False)
     answered = [n for n in others if answers[n.rank].returncode == 0]
     moved = (new.address, new.instance_id) != (old.address, old.instance_id)
     if len(answered) < len(others):

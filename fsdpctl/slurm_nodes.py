@@ -35,6 +35,9 @@ IN_SERVICE = {"idle", "allocated", "mixed", "completing", "reserved", "planned"}
 """Node states in which a node runs or takes jobs."""
 SPOT_NOTICE_REASONS = ("spot interruption notice", "rebalance recommendation notice")
 """How the spot watcher's drain reasons begin (`act` in ansible/roles/slurm/files/spot-watcher.py)."""
+REPLACE_FAILED_REASON = "fsdpctl replace failed"
+"""How the drain reason of a node begins whose new instance runs but failed its configure or deploy
+(`fsdpctl replace`): `fsdpctl heal` leaves it to the operator."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class NodeState:
     def spot_notice(self) -> bool:
         """Drained by the spot watcher on an interruption notice or a rebalance recommendation."""
         return (self.reason or "").startswith(SPOT_NOTICE_REASONS)
+
+    @property
+    def replace_failed(self) -> bool:
+        """Drained by `fsdpctl replace` after its new instance failed its configure or deploy."""
+        return (self.reason or "").startswith(REPLACE_FAILED_REASON)
 
     @property
     def powered_down(self) -> bool:
@@ -126,15 +134,21 @@ def slurm_configured(record: ClusterRecord) -> bool:
     return slurm_status(record)[0]
 
 
+def update_nodes(node_names: str, change: str) -> str:
+    """The command that changes nodes' state in Slurm. slurmctld takes it only from root or SlurmUser
+    (anyone else gets "Invalid user id"), and AWS nodes log in as the image's user (`ssh_user`, e.g.
+    ubuntu), who has passwordless sudo; local nodes log in as root."""
+    return f"sudo -n scontrol update nodename={node_names} {change}"
+
+
 def drain(record: ClusterRecord, node_name: str, reason: str) -> None:
     """Take a node out of scheduling (running jobs finish; none start)."""
-    run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=DRAIN "
-              f"reason={shlex.quote(reason)}")
+    run_slurm(record, update_nodes(shlex.quote(node_name), f"state=DRAIN reason={shlex.quote(reason)}"))
 
 
 def resume(record: ClusterRecord, node_name: str) -> None:
     """Return a node to service (after `fsdpctl replace`)."""
-    result = run_slurm(record, f"scontrol update nodename={shlex.quote(node_name)} state=RESUME", check=False)
+    result = run_slurm(record, update_nodes(shlex.quote(node_name), "state=RESUME"), check=False)
     # A node that is not drained or down is already in service: nothing to undo.
     if result.returncode and "Invalid node state specified" not in result.stderr:
         raise CommandError(f"returning {node_name} to service in Slurm failed: {result.stderr.strip()}")
@@ -196,7 +210,7 @@ def power_up_all(record: ClusterRecord, spec: ClusterSpec, out: Out, *, what: st
         # A node on its way down can be powered up only once it is down (after SuspendTimeout).
         down_now = sorted(n for n in waiting if states[n].powered_down and n not in asked)
         if down_now:
-            run_slurm(record, f"scontrol update nodename={','.join(down_now)} state=power_up")
+            run_slurm(record, update_nodes(",".join(down_now), "state=power_up"))
             asked.update(down_now)
         seen_powering.update(n for n in asked if states[n].powering)
         # The resume program sets a node it cannot start DOWN (`down#` while Slurm still counts it as

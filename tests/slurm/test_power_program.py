@@ -359,7 +359,7 @@ def test_smoke_powers_the_stopped_nodes_up_and_waits_for_them(tmp_path, monkeypa
     record, spec = _elastic(tmp_path, monkeypatch, fake, min_nodes=1)
     said = []
     slurm_nodes.power_up_all(record, spec, said.append, what="smoke")
-    assert fake.commands == ["scontrol update nodename=pw-node1 state=power_up"]
+    assert fake.commands == ["sudo -n scontrol update nodename=pw-node1 state=power_up"]
     assert said == ["smoke: powering up pw-node1 (Slurm powered them down while idle); they power down again "
                     "once idle", "smoke: pw-node1 powered up"]
 

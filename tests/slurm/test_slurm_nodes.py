@@ -16,7 +16,8 @@ its node on a rebalance recommendation and on an interruption notice from an IMD
 node's loopback, the job running there checkpoints at once, and `fsdpctl heal` puts a fresh node in
 the drained one's place, where the requeued job resumes from that checkpoint;
 `fsdpctl jobs --all` lists a plain sbatch job next to fsdpctl's, with each job's runs from the
-completion log; `fsdpctl exclude` drains the node.
+completion log; fsdpctl's drain and resume work for a login user that is not root (as on AWS);
+`fsdpctl exclude` drains the node.
 
 The tests run in file order (the last ones drain nodes)."""
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdpctl import slurm
+from fsdpctl import remote, slurm, slurm_nodes
 from tests.local.conftest import fsdpctl, read_state
 from tests.slurm.conftest import cluster_state, on_node, slurm_cluster, slurm_node_states, wait_for
 
@@ -507,6 +508,25 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     assert reason == "health (periodic): nvidia-smi not found (1 GPUs expected)"
     ssh(cluster, 1, f"mv /tmp/node-health.conf.orig {HEALTH_CONF}")
     ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
+
+
+def test_node_changes_are_taken_from_a_login_user_that_is_not_root(cluster):
+    """AWS nodes log in as the image's user (ubuntu, with passwordless sudo), local ones as root; and
+    slurmctld takes node changes (fsdpctl's drain, resume, power-up) only from root or SlurmUser."""
+    home, _ = cluster
+    ssh(cluster, 0, "id ops >/dev/null 2>&1 || useradd --create-home --shell /bin/bash ops; "
+        "install -d -o ops -g ops -m 700 ~ops/.ssh && "
+        "install -o ops -g ops -m 600 /root/.ssh/authorized_keys ~ops/.ssh/ && "
+        "echo 'ops ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/ops && chmod 440 /etc/sudoers.d/ops")
+    record = cluster_state(home, NAME).read()
+    as_ops = record.model_copy(update={"ssh": record.ssh.model_copy(update={"user": "ops"})})
+    plain = remote.run(as_ops, 0, f"whoami; scontrol update nodename={NODES[1]} state=DRAIN reason=plain",
+                       timeout=60, check=False)
+    assert plain.stdout.strip() == "ops" and "Invalid user id" in plain.stderr, plain
+    slurm_nodes.drain(as_ops, NODES[1], "drained by ops")
+    assert node_states(cluster)[NODES[1]] == ("drained", "drained by ops")
+    slurm_nodes.resume(as_ops, NODES[1])
     wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
 
 

@@ -355,7 +355,8 @@ def test_status_shows_why_slurm_drained_a_node(status_of):
     text, status = status_of(0, SINFO)
     assert ("slurm: 1 of 2 node(s) in service\n"
             "  st-node1 drained: health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors\n"
-            "  once the cause is fixed: fsdpctl ssh 0 -- scontrol update nodename=NAME state=resume") in text
+            "  once the cause is fixed: fsdpctl ssh 0 -- sudo scontrol update nodename=NAME "
+            "state=resume") in text
     assert [(n["slurm_state"], n["slurm_reason"]) for n in status["node_list"]] == [
         ("idle", None), ("drained", "health (prolog): GPU 0 (00000000:10:1C.0) has 2 uncorrected ECC errors")]
     assert status["slurm_not_asked"] is None
