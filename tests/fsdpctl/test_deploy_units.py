@@ -21,6 +21,7 @@ from fsdpctl.deploy import (
     trainer_pyproject,
     trainer_requirements,
 )
+from fsdpctl.targets.local.rootfs import role_packages
 
 
 def test_requirements_pin_torch_or_leave_it_to_the_node():
@@ -107,8 +108,11 @@ def test_nodes_must_agree_on_python_and_have_venv():
         NodePlatform("3.11", "x86_64", "2.35")
     with pytest.raises(DeployError, match="different Pythons"):
         _common_platform({0: _facts(), 1: _facts(python="3.10")})
-    with pytest.raises(DeployError, match=r"node\(s\) \[1\] lack Python's venv"):
+    with pytest.raises(DeployError, match=r"node\(s\) \[1\] lack Python's venv") as missing:
         _common_platform({0: _facts(), 1: _facts(venv=False)})
+    # what the message promises: the common role installs it (plain Ubuntu images lack it)
+    assert "the common role installs python3-venv" in str(missing.value)
+    assert "python3-venv" in role_packages()
 
 
 def test_two_deploys_at_once_build_the_bundle_once_and_share_it(tmp_path, monkeypatch):

@@ -1,7 +1,9 @@
 """The real playbook on two real local nodes through `fsdpctl configure`, checked from outside over SSH;
 each node then reaches the other over SSH by name and by address with the intra-cluster key, without a
 prompt (what mpirun needs); then idempotence (a second run changes nothing, also after a deploy and a
-smoke test), check mode, cancelling, and a failing task named with its host.
+smoke test), a user that is not root making directories in the shared directory (AWS logs in as
+ubuntu), the common role stopping an automatic apt run that holds the dpkg lock, check mode,
+cancelling, and a failing task named with its host.
 
 The nodes are the session's demo cluster (tests/local/demo_cluster.py): its first configure is the
 demo's configure stage."""
@@ -181,6 +183,49 @@ def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
     assert f"{NODES[1]}: task [network : " in failed
     assert NODES[0] not in failed
     assert "fsdpctl configure: the playbook failed" in result.stderr
+
+
+def test_a_login_user_that_is_not_root_makes_its_directories_in_the_shared_directory(first_run, state):
+    """As AWS's login user (ubuntu) makes the jobs' and smoke runs' directories in the FSx mount, whose
+    root a new file system gives to root (the local target's host directory is made by root too)."""
+    shared = state.read().shared_dir
+    made = remote.run(state, 1, f"id ops >/dev/null 2>&1 || useradd --create-home ops; stat -c %a {shared}; "
+                      f"runuser -u ops -- mkdir {shared}/made-by-ops && stat -c %U {shared}/made-by-ops; "
+                      f"rm -rf {shared}/made-by-ops", check=False)
+    assert made.stdout.split() == ["1777", "ops"], made
+
+
+APT_RUN_STAND_IN = """\
+[Service]
+ExecStartPre=
+ExecStart=
+ExecStart=/usr/bin/flock /var/lib/dpkg/lock-frontend sleep 600
+KillMode=control-group
+"""
+"""apt-daily-upgrade.service as an image's timer starts it at first boot: unattended-upgrade holding the
+dpkg lock (a drop-in in place of its command)."""
+
+
+def test_the_common_role_stops_an_automatic_apt_run_holding_the_dpkg_lock(first_run, cluster, state):
+    """Before its apt tasks (skipped here: local nodes have no repository), which would wait on the lock
+    and give up."""
+    drop_in = "/run/systemd/system/apt-daily-upgrade.service.d"
+    lock_free = "flock --nonblock /var/lib/dpkg/lock-frontend true"
+    remote.run(state, 1, f"mkdir -p {drop_in} && cat > {drop_in}/stand-in.conf <<'EOF'\n"
+               f"{APT_RUN_STAND_IN}EOF\nsystemctl daemon-reload && "
+               "systemctl start --no-block apt-daily-upgrade.service && "
+               f"for i in $(seq 50); do {lock_free} || exit 0; sleep 0.2; done; exit 1", timeout=60)
+    try:
+        result = fsdpctl(cluster, "configure", "--tags", "common", "--limit", NODES[1], check=False)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+        assert re.search(rf"^\s+changed\s+{NODES[1]}\s+common : Stop the automatic apt runs",
+                         result.stdout, re.MULTILINE), result.stdout[-3000:]
+        unit = remote.run(state, 1, "systemctl is-active apt-daily-upgrade.service", check=False)
+        assert unit.stdout.strip() in ("inactive", "failed"), unit
+        assert remote.run(state, 1, lock_free, check=False).returncode == 0
+    finally:
+        remote.run(state, 1, f"systemctl stop apt-daily-upgrade.service; rm -rf {drop_in}; "
+                   "systemctl daemon-reload", timeout=60, check=False)
 
 
 def test_a_limit_that_matches_no_node_is_an_error(first_run, cluster):
