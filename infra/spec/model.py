@@ -309,6 +309,17 @@ class LocalTarget(_Model):
     """The nodes' bridge network, inside 198.18.0.0/15, /28 or larger."""
     nproc_per_node: int = Field(default=1, ge=1, le=8)
     """Trainer processes per local node, 1 to 8."""
+    login_user: str = "root"
+    """The user fsdpctl and Ansible log in as. Another name than root makes a user with passwordless
+    sudo on each node, as an AWS image's `ubuntu` is, so everything runs as it does on AWS."""
+
+    @field_validator("login_user")
+    @classmethod
+    def _user_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", v):
+            raise ValueError("not a user name: lower-case letters, digits, '_' and '-', starting with a "
+                             "letter or '_', at most 32 characters; e.g. root or ubuntu")
+        return v
 
     @field_validator("subnet_cidr")
     @classmethod

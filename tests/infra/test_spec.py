@@ -94,6 +94,8 @@ REJECTED = {
         {"recovery": {"gpu_idle_s": 90000}}, "recovery.gpu_idle_s", 90000, "is outside 300 to 86400 seconds"),
     "GPU idle window not a whole number": (
         {"recovery": {"gpu_idle_s": "30m"}}, "recovery.gpu_idle_s", "30m", "write a whole number"),
+    "local login user that is no user name": (
+        {"local": {"login_user": "Bad User"}}, "local.login_user", "Bad User", "e.g. root or ubuntu"),
 }
 
 

@@ -54,21 +54,23 @@ def slurm_node_states(home: Path, name: str) -> dict[str, tuple[str, str]]:
 
 @contextlib.contextmanager
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: str, *,
-                  spec: dict | None = None, configure_args: tuple[str, ...] = (), deploy: bool = False
-                  ) -> Iterator[tuple[Path, dict[str, str]]]:
-    """Two local p4d-shaped nodes, `up`, `configure --tags slurm` (and `deploy`): (FSDPCTL_HOME, the
-    environment for fsdpctl); torn down whatever happens."""
+                  spec: dict | None = None, tags: str = "slurm", configure_args: tuple[str, ...] = (),
+                  deploy: bool = False) -> Iterator[tuple[Path, dict[str, str]]]:
+    """Two local p4d-shaped nodes, `up`, `configure --tags slurm` (or `tags`; and `deploy`): (FSDPCTL_HOME,
+    the environment for fsdpctl); torn down whatever happens. `spec`'s `local` adds to the local
+    settings."""
     require_local_prerequisites()
     home = tmp_path_factory.mktemp("fsdpctl-home")
     spec_file = home.parent / f"{name}.yaml"
     spec_file.write_text(yaml.safe_dump({
         "name": name, "region": "us-east-1", "availability_zone": "us-east-1b",
         "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
-        "local": {"subnet_cidr": subnet, "nproc_per_node": 1}, **(spec or {})}))
+        **(spec or {}),
+        "local": {"subnet_cidr": subnet, "nproc_per_node": 1, **(spec or {}).get("local", {})}}))
     env = {k: v for k, v in os.environ.items() if k == "FSDPCTL_CACHE"}
     try:
         fsdpctl(home, "up", str(spec_file), "--target", "local", "--nodes", "2", env=env, timeout=900)
-        fsdpctl(home, "configure", "--tags", "slurm", *configure_args, env=env, timeout=600)
+        fsdpctl(home, "configure", "--tags", tags, *configure_args, env=env, timeout=600)
         if deploy:
             fsdpctl(home, "deploy", env=env, timeout=900)
         yield home, env

@@ -1,5 +1,7 @@
-"""Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module):
-after `configure --tags slurm` every node is idle in sinfo (a second configure of the whole playbook,
+"""Slurm on real local nodes (2 systemd-nspawn nodes in 198.18.20.0/24, one cluster for the module),
+logged in to as AWS's are: as `ubuntu`, a user with passwordless sudo (`local.login_user`), whose jobs
+run as it and who makes their directories in the shared directory (the storage role's);
+after `configure --tags storage,slurm` every node is idle in sinfo (a second configure of the whole playbook,
 the slurm role included, changes nothing: tests/local/test_configure.py);
 a 2-node `fsdpctl train` of the tiny config completes with a falling loss; a cancelled job is not
 requeued, and its ranks' Prometheus files (each rank exports its metrics where node exporter's textfile
@@ -16,8 +18,7 @@ its node on a rebalance recommendation and on an interruption notice from an IMD
 node's loopback, the job running there checkpoints at once, and `fsdpctl heal` puts a fresh node in
 the drained one's place, where the requeued job resumes from that checkpoint;
 `fsdpctl jobs --all` lists a plain sbatch job next to fsdpctl's, with each job's runs from the
-completion log; fsdpctl's drain and resume work for a login user that is not root (as on AWS);
-`fsdpctl exclude` drains the node.
+completion log; `fsdpctl exclude` drains the node.
 
 The tests run in file order (the last ones drain nodes)."""
 
@@ -26,19 +27,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from fsdpctl import remote, slurm, slurm_nodes
+from fsdpctl import slurm
 from tests.local.conftest import fsdpctl, read_state
 from tests.slurm.conftest import cluster_state, on_node, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 NAME = "slurm-test"
+LOGIN_USER = "ubuntu"
 SUBNET = "198.18.20.0/24"  # the slurm area's subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 STANDIN = Path(__file__).with_name("imds_standin.py")
@@ -51,16 +54,23 @@ FAULTY_NVIDIA_SMI = "#!/bin/sh\necho '0, 00000000:10:1C.0, 2, No, No'\n"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Up, `configure --tags slurm`, deploy; torn down after the module whatever happens."""
+    """Up, `configure --tags storage,slurm`, deploy; torn down after the module whatever happens."""
     # A short stall limit for the frozen-rank test (the default, 300 s, would keep it waiting).
-    spec = {"trainer": {"config": "tiny"}, "recovery": {"stall_min_s": 15}}
-    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec=spec, deploy=True) as home_and_env:
+    spec = {"trainer": {"config": "tiny"}, "recovery": {"stall_min_s": 15},
+            "local": {"login_user": LOGIN_USER}}
+    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec=spec, tags="storage,slurm",
+                       deploy=True) as home_and_env:
         yield home_and_env
 
 
 def ssh(cluster, rank: int, command: str, check: bool = True):
     home, env = cluster
     return fsdpctl(home, "ssh", str(rank), "--", command, env=env, check=check, timeout=120)
+
+
+def as_root(cluster, rank: int, command: str, check: bool = True):
+    """`command` run as root on the node (the login user has passwordless sudo, as on AWS)."""
+    return ssh(cluster, rank, f"sudo sh -c {shlex.quote(command)}", check=check)
 
 
 def node_states(cluster) -> dict[str, tuple[str, str]]:
@@ -99,12 +109,13 @@ def steps(metrics: Path) -> list[dict]:
 
 
 def test_every_node_is_idle_in_sinfo(cluster):
+    assert ssh(cluster, 0, "id -un").stdout.strip() == LOGIN_USER  # not root: as on AWS
     assert node_states(cluster) == {n: ("idle", "none") for n in NODES}
     conf = ssh(cluster, 1, "cat /etc/slurm/slurm.conf").stdout
     assert f"SlurmctldHost={NODES[0]}(" in conf and "ProctrackType=proctrack/linuxproc" in conf
     # one munge key for the cluster, not the node image's
-    keys = {ssh(cluster, r, "sha256sum /etc/munge/munge.key").stdout.split()[0] for r in (0, 1)}
-    image_key = ssh(cluster, 0, "sha256sum /etc/fsdp-cluster/munge.key").stdout.split()[0]
+    keys = {as_root(cluster, r, "sha256sum /etc/munge/munge.key").stdout.split()[0] for r in (0, 1)}
+    image_key = as_root(cluster, 0, "sha256sum /etc/fsdp-cluster/munge.key").stdout.split()[0]
     assert keys == {image_key}
 
 
@@ -193,6 +204,7 @@ def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(clus
     model = make_model("qwen3", root / "model")
     chats = chat_examples(16)
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    as_root(cluster, 0, f"chown -R {LOGIN_USER}: /shared/hf-test")  # the user's, as if they had copied it
     home, env = cluster
     out = fsdpctl(home, "train", "finetune", "--nodes", "2", "--steps", "8", "--name", "sft-2n",
                   "--set", "model.hf_dir=/shared/hf-test/model",
@@ -229,8 +241,8 @@ def test_cancelled_job_ends_without_a_requeue_and_leaves_no_metrics_exported(clu
     cancel none is left, not even the file of a rank killed mid-step (one planted on node 1 as such a
     rank leaves it): the epilog removes the job's files."""
     home, env = cluster
-    for rank in (0, 1):
-        ssh(cluster, rank, f"mkdir -p {slurm.PROMETHEUS_TEXTFILE_DIR}")
+    for rank in (0, 1):  # as the monitoring role makes it: the login user's
+        as_root(cluster, rank, f"install -d -o {LOGIN_USER} {slurm.PROMETHEUS_TEXTFILE_DIR}")
     try:
         job_id = train(cluster, "--steps", "100000", "--name", "tiny-cancel")
         job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-cancel"
@@ -251,7 +263,7 @@ def test_cancelled_job_ends_without_a_requeue_and_leaves_no_metrics_exported(clu
         assert f"removed fsdp-trainer-{job_id}-rank7.prom (left by a killed rank)" in health_log(cluster, 1)
     finally:
         for rank in (0, 1):
-            ssh(cluster, rank, f"rm -rf {slurm.PROMETHEUS_TEXTFILE_DIR}")
+            as_root(cluster, rank, f"rm -rf {slurm.PROMETHEUS_TEXTFILE_DIR}")
 
 
 RESUMED_FROM = re.compile(r"checkpoint: resumed from \S+ \(step (\d+)\)")
@@ -342,7 +354,7 @@ def test_a_frozen_rank_is_ended_by_the_job_watcher_and_the_job_resumes_with_the_
     assert ended, log[-3000:]
     assert int(ended.group(1)) >= int(ended.group(2)) >= 15
     assert "retried in this allocation (run 0 attempt 1" in log
-    watcher_log = ssh(cluster, 0, "journalctl --no-pager -o cat -u fsdp-job-watcher").stdout
+    watcher_log = as_root(cluster, 0, "journalctl --no-pager -o cat -u fsdp-job-watcher").stdout
     assert re.search(rf"step {job_id}\.\d+: no metrics for \d+ s .*: ending it", watcher_log), watcher_log
     _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir, log)
 
@@ -386,7 +398,7 @@ def test_jobs_all_lists_every_slurm_job_with_its_runs_from_the_completion_log(cl
     table = fsdpctl(home, "jobs", "--all", env=env).stdout
     assert table.splitlines()[0].split() == ["JOB", "NAME", "USER", "STATE", "NODES", "START", "END", "EXIT",
                                              "RUNS"]
-    assert any(line.split()[:4] == [str(plain), "plain-wrap", "root", "COMPLETED"]
+    assert any(line.split()[:4] == [str(plain), "plain-wrap", LOGIN_USER, "COMPLETED"]
                for line in table.splitlines())
 
 
@@ -407,7 +419,7 @@ def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notic
     _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
                          "the drain on a rebalance recommendation", timeout=60)
     assert reason.startswith('rebalance recommendation notice: {"noticeTime"')
-    ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
 
     # The interruption notice with a job running there: drain, and the job checkpoints at once.
     job_id = train(cluster, "--steps", "400", "--checkpoint-interval", "1000", "--name", "tiny-spot")
@@ -446,7 +458,7 @@ def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notic
 
 
 def health_log(cluster, rank: int) -> str:
-    return ssh(cluster, rank, "journalctl --no-pager -o cat -t fsdp-node-health").stdout
+    return as_root(cluster, rank, "journalctl --no-pager -o cat -t fsdp-node-health").stdout
 
 
 def clear_of_the_periodic_check(cluster, rank: int, margin_s: float = 30) -> None:
@@ -454,7 +466,7 @@ def clear_of_the_periodic_check(cluster, rank: int, margin_s: float = 30) -> Non
     HealthCheckInterval) is more than margin_s away, so that a fault made now meets the prolog first."""
     defaults = Path(__file__).parents[2] / "ansible/roles/slurm/defaults/main.yml"
     interval = yaml.safe_load(defaults.read_text())["slurm_health_check_interval"]
-    out = ssh(cluster, rank, "date +%s; journalctl --no-pager -o short-unix -t fsdp-node-health "
+    out = as_root(cluster, rank, "date +%s; journalctl --no-pager -o short-unix -t fsdp-node-health "
               "| grep ': periodic on ' | tail -n 1").stdout.split()
     now, last = float(out[0]), float(out[1]) if len(out) > 1 else None
     if last is not None and (last - now) % interval < margin_s:
@@ -468,7 +480,7 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     the periodic check (slurmd runs it at start) drains a node the same way."""
     home, env = cluster
     clear_of_the_periodic_check(cluster, 1)
-    ssh(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
+    as_root(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
         f"sed -i 's/^EXPECTED_GPUS=.*/EXPECTED_GPUS=1/' {HEALTH_CONF} && "
         f"cat > /usr/local/bin/nvidia-smi <<'EOF'\n{FAULTY_NVIDIA_SMI}EOF\n"
         "chmod 755 /usr/local/bin/nvidia-smi")
@@ -491,8 +503,8 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     assert [(n["slurm_state"], n["slurm_reason"]) for n in listed] == [("idle", None), ("drained", expected)]
 
     # Fixed and resumed, the node takes the job, which runs on both nodes.
-    ssh(cluster, 1, f"rm /usr/local/bin/nvidia-smi && mv /tmp/node-health.conf.orig {HEALTH_CONF}")
-    ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    as_root(cluster, 1, f"rm /usr/local/bin/nvidia-smi && mv /tmp/node-health.conf.orig {HEALTH_CONF}")
+    as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
     row = wait_for_job_end(cluster, job_id)
     assert row["state"] == "COMPLETED" and row["nodes"] == f"{NAME}-node[0-1]", row
     prologs = [int(m) for m in re.findall(rf"prolog job {job_id} on \S+: ok in (\d+) ms",
@@ -501,32 +513,13 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     assert len(prologs) == 3  # node 0 at both allocations, node 1 at the second
 
     # The periodic check: slurmd runs it when it starts, before it registers.
-    ssh(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
+    as_root(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
         f"sed -i 's/^EXPECTED_GPUS=.*/EXPECTED_GPUS=1/' {HEALTH_CONF} && systemctl restart slurmd")
     _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
                          "node 1 drained by its periodic check", timeout=120)
     assert reason == "health (periodic): nvidia-smi not found (1 GPUs expected)"
-    ssh(cluster, 1, f"mv /tmp/node-health.conf.orig {HEALTH_CONF}")
-    ssh(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
-    wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
-
-
-def test_node_changes_are_taken_from_a_login_user_that_is_not_root(cluster):
-    """AWS nodes log in as the image's user (ubuntu, with passwordless sudo), local ones as root; and
-    slurmctld takes node changes (fsdpctl's drain, resume, power-up) only from root or SlurmUser."""
-    home, _ = cluster
-    ssh(cluster, 0, "id ops >/dev/null 2>&1 || useradd --create-home --shell /bin/bash ops; "
-        "install -d -o ops -g ops -m 700 ~ops/.ssh && "
-        "install -o ops -g ops -m 600 /root/.ssh/authorized_keys ~ops/.ssh/ && "
-        "echo 'ops ALL=(ALL) NOPASSWD:ALL' > /etc/sudoers.d/ops && chmod 440 /etc/sudoers.d/ops")
-    record = cluster_state(home, NAME).read()
-    as_ops = record.model_copy(update={"ssh": record.ssh.model_copy(update={"user": "ops"})})
-    plain = remote.run(as_ops, 0, f"whoami; scontrol update nodename={NODES[1]} state=DRAIN reason=plain",
-                       timeout=60, check=False)
-    assert plain.stdout.strip() == "ops" and "Invalid user id" in plain.stderr, plain
-    slurm_nodes.drain(as_ops, NODES[1], "drained by ops")
-    assert node_states(cluster)[NODES[1]] == ("drained", "drained by ops")
-    slurm_nodes.resume(as_ops, NODES[1])
+    as_root(cluster, 1, f"mv /tmp/node-health.conf.orig {HEALTH_CONF}")
+    as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
     wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
 
 

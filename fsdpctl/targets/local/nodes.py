@@ -45,7 +45,6 @@ from infra.spec import ClusterSpec
 
 BRIDGE_MTU = 9000
 SHARED_MOUNT = "/shared"
-SSH_USER = "root"
 BOOT_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 30
 KEEPER_EXIT_S = 2
@@ -209,6 +208,7 @@ def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
         state.keys_dir.mkdir(parents=True, exist_ok=True)
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fsdpctl@{state.name}", "-f", str(key_file))
     public_key = key_file.with_suffix(".pub").read_text()
+    login_user = state.spec().local.login_user
     Path(plan.shared_host_dir).mkdir(parents=True, exist_ok=True)
 
     _sh("ip", "link", "add", plan.bridge, "mtu", str(BRIDGE_MTU), "type", "bridge")
@@ -224,7 +224,7 @@ def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
     known_hosts = []
     procs: dict[int, subprocess.Popen] = {}
     for node in plan.nodes:
-        host_key = _prepare_node(node, plan, public_key)
+        host_key = _prepare_node(node, plan, public_key, login_user)
         known_hosts.append(f"{node.address} {host_key}")
         progress(f"local: starting {node.name} ({node.address})")
         procs[node.rank] = _start_node(node, plan)
@@ -234,7 +234,7 @@ def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     for node in plan.nodes:
         _attach_veth(node, plan, procs[node.rank], deadline)
-    ssh = SshSettings(user=SSH_USER, key_file=str(key_file), known_hosts=str(known_hosts_file))
+    ssh = SshSettings(user=login_user, key_file=str(key_file), known_hosts=str(known_hosts_file))
     progress(f"local: waiting for {len(plan.nodes)} node(s) to boot (systemd, sshd)")
     for node in plan.nodes:
         _wait_booted(node, ssh, procs[node.rank], deadline, progress)
@@ -242,8 +242,9 @@ def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
                  ssh=ssh, shared_dir=SHARED_MOUNT)
 
 
-def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
-    """Mount the node's overlay and write its identity; returns its SSH host public key."""
+def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str, login_user: str) -> str:
+    """Mount the node's overlay and write its identity and login user; returns its SSH host public
+    key."""
     base = Path(node.dir)
     for sub in ("upper", "work", "merged"):
         (base / sub).mkdir(parents=True, exist_ok=True)
@@ -259,12 +260,27 @@ def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str) -> str:
     _write(root / "etc/systemd/network/10-eth0.network",
            f"[Match]\nName=eth0\n\n[Network]\nAddress={node.address}/{prefix}\nGateway={plan.gateway}\n"
            "LinkLocalAddressing=no\nIPv6AcceptRA=no\n")
-    (root / "root/.ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
-    _write(root / "root/.ssh/authorized_keys", public_key, 0o600)
+    _add_login_user(root, login_user, public_key)
     (root / SHARED_MOUNT.lstrip("/")).mkdir(exist_ok=True)
     host_key = root / "etc/ssh/ssh_host_ed25519_key"
     _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"root@{node.name}", "-f", str(host_key))
     return " ".join(host_key.with_suffix(".pub").read_text().split()[:2])
+
+
+def _add_login_user(root: Path, user: str, public_key: str) -> None:
+    """The cluster's key authorized for `user` on the node whose root is `root`; a user other than root
+    is made first, with passwordless sudo, as an AWS image's login user (ubuntu) is."""
+    if user == "root":
+        home = root / "root"
+    else:
+        _sh("useradd", "--root", str(root), "--create-home", "--shell", "/bin/bash", user)
+        _write(root / f"etc/sudoers.d/90-{user}", f"{user} ALL=(ALL) NOPASSWD:ALL\n", 0o440)
+        home = root / "home" / user
+    (home / ".ssh").mkdir(mode=0o700, parents=True, exist_ok=True)
+    _write(home / ".ssh/authorized_keys", public_key, 0o600)
+    owner = home.stat()
+    for path in (home / ".ssh", home / ".ssh/authorized_keys"):
+        os.chown(path, owner.st_uid, owner.st_gid)
 
 
 def _mount_root(node: LocalNode, plan: LocalRecord) -> None:
@@ -490,7 +506,7 @@ def replace_node(state: ClusterState, rank: int, progress: Out = print) -> None:
     new = old.model_copy(update={"machine_id": uuid.uuid4().hex})
     state.update(local=plan.model_copy(update={"nodes": [new if n.rank == rank else n for n in plan.nodes]}))
     key_file = Path(record.ssh.key_file)
-    host_key = _prepare_node(new, plan, key_file.with_suffix(".pub").read_text())
+    host_key = _prepare_node(new, plan, key_file.with_suffix(".pub").read_text(), record.ssh.user)
     known_hosts = [line for line in state.known_hosts.read_text().splitlines()
                    if not line.startswith(f"{new.address} ")]
     _write(state.known_hosts, "\n".join([*known_hosts, f"{new.address} {host_key}"]) + "\n")
