@@ -1,5 +1,6 @@
 """Slurm power saving on real local nodes (2 systemd-nspawn nodes in 198.18.22.0/24, one cluster for the
-module): with `scaling: {min_nodes: 1}` node 1 is a State=CLOUD node (SuspendTime 10 s). `up` starts
+module, logged in to as `ubuntu` with passwordless sudo, as AWS nodes are): with `scaling: {min_nodes: 1}`
+node 1 is a State=CLOUD node (SuspendTime 10 s). `up` starts
 the host-side power agent; once idle, Slurm powers node 1 down and the agent stops it (no process of
 it is left, `fsdpctl status` shows it powered down, not missing); `sbatch -N2` powers it up again and
 runs on both nodes; after the job it powers down again; a node the agent cannot start (its overlay
@@ -38,8 +39,10 @@ JOB_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """Up with power saving and `configure --tags slurm`; torn down after the module whatever happens."""
-    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec={"scaling": {"min_nodes": 1}},
+    """Up with power saving and `configure --tags storage,slurm`; torn down after the module whatever
+    happens."""
+    spec = {"scaling": {"min_nodes": 1}, "local": {"login_user": "ubuntu"}}
+    with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec=spec, tags="storage,slurm",
                        configure_args=FAST_SUSPEND) as home_and_env:
         yield home_and_env
 
