@@ -23,7 +23,7 @@ from fsdpctl import slurm_nodes, targets
 from fsdpctl import state as state_mod
 from fsdpctl.configure import ConfigureResult, stop_orphaned_playbooks
 from fsdpctl.console import confirm, line_buffered, print_json, say, warn
-from fsdpctl.errors import CommandError, UsageError, missing_package
+from fsdpctl.errors import CommandError, Interrupted, UsageError, missing_package
 from fsdpctl.inventory import write_inventory
 from fsdpctl.plan.cost import amount_text
 from fsdpctl.slurm_nodes import NodeState
@@ -536,6 +536,11 @@ def _bring_up_to_date(state: ClusterState, node: Node) -> tuple[ClusterRecord, C
     if configured is None:
         say(f"cluster {state.name} was never configured: {node.name} is left as booted (`fsdpctl "
             "configure` configures every node)")
+    elif configured.canceled:  # Ctrl-C or SIGTERM: ends `heal --watch` too, instead of a failed pass
+        print_summary(configured)
+        raise Interrupted(f"the configure of the new {node.name} was canceled (logs in "
+                          f"{configured.run_dir}). Run `fsdpctl configure --limit {node.name}`"
+                          + (" and `fsdpctl deploy`." if record.deploy else "."))
     elif not configured.ok:
         print_summary(configured)
         raise CommandError(f"the new {node.name} failed configuration ({configured.status}, logs in "

@@ -90,6 +90,17 @@ def test_a_replacement_that_failed_configuration_is_drained_with_a_reason_of_its
     assert "sudo scontrol update nodename=rpo-node1 state=resume" in err
 
 
+def test_a_canceled_configure_of_the_replacement_drains_it_and_exits_as_interrupted(cluster, capsys):
+    """Ctrl-C or SIGTERM in its configure (ansible-runner's run ends canceled): exit 130, which also
+    ends `heal --watch` instead of counting as a failed pass."""
+    _, _, slurm, configure_status = cluster
+    configure_status["status"] = "canceled"
+    assert main(["replace", "1", "--cluster", "rpo", "--yes"]) == 130
+    assert slurm == [("drain", "rpo-node1", "fsdpctl replace failed: the configure of the new rpo-node1 was "
+                      "canceled (logs in /tmp/run-7)")]
+    assert "rpo-node1 stays drained in Slurm" in capsys.readouterr().err
+
+
 def test_a_replacement_that_never_came_up_keeps_its_drain_reason_for_heal_to_try_again(cluster, capsys):
     _, target, slurm, _ = cluster
     target.launch_error = CommandError("pulumi up failed: InsufficientInstanceCapacity")
