@@ -227,6 +227,10 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
                 limit=limit, cmdline="--check" if check else None, quiet=True, event_handler=printer,
                 cancel_callback=stop.is_set, ident="ansible")
         finally:
+            if stop.is_set():
+                # ansible-runner kills ansible-playbook itself; its forked workers, busy with a task on a
+                # node, outlive it by as long as that task takes. A canceled run leaves none behind.
+                stop_orphaned_playbooks(state, out)
             close_control_masters(control_dir)
     stats = runner.stats or {}
     hosts: dict[str, HostRecap] = {}
