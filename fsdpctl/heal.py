@@ -85,7 +85,7 @@ def heal(state: ClusterState, *, yes: bool) -> HealPlan:
             "have left")
     for node in found.failed:
         say(f"{node.name}: {states[node.name].reason}; left to you (another instance would fail the same "
-            f"way): once fixed, `fsdpctl ssh 0 -- sudo scontrol update nodename={node.name} state=resume`, "
+            f"way): once fixed, `{slurm_nodes.resume_hint(node.name)}`, "
             f"or `fsdpctl replace {node.rank}` again")
     for node in found.ready:
         say(f"{node.name}: {states[node.name].reason}; replacing it")

@@ -316,7 +316,7 @@ def _print_slurm_nodes(nodes: dict[str, NodeState] | None, not_asked: str | None
         say("  a node a spot notice drained: `fsdpctl heal` replaces it once its jobs have left "
             "(docs/slurm.md)")
     if out_of_service:
-        say("  once the cause is fixed: fsdpctl ssh 0 -- sudo scontrol update nodename=NAME state=resume "
+        say(f"  once the cause is fixed: {slurm_nodes.resume_hint('NAME')} "
             "(docs/slurm.md, node health checks)")
 
 
@@ -511,9 +511,9 @@ def replace(state: ClusterState, rank: int, *, yes: bool) -> None:
             _slurm_node(state, state.read(), node.name,
                         drain_reason=f"{slurm_nodes.REPLACE_FAILED_REASON}: {what}")
             raise type(e)(f"{str(e).rstrip('.')}. {node.name} stays drained in Slurm and bills as a running "
-                          "instance until then; `fsdpctl heal` leaves it to you. Once it is fixed: `fsdpctl "
-                          f"ssh 0 -- sudo scontrol update nodename={node.name} state=resume` (or `fsdpctl "
-                          f"replace {rank}` again, or `fsdpctl exclude {rank}`).") from None
+                          "instance until then; `fsdpctl heal` leaves it to you. Once it is fixed: "
+                          f"`{slurm_nodes.resume_hint(node.name)}` (or `fsdpctl replace {rank}` again, or "
+                          f"`fsdpctl exclude {rank}`).") from None
         _slurm_node(state, record, node.name, drain_reason=None)
     say(f"{node.name} replaced" + (" and configured" if configured else "")
         + (", and the trainer deployed" if record.deploy else "")

@@ -141,6 +141,11 @@ def update_nodes(node_names: str, change: str) -> str:
     return f"sudo -n scontrol update nodename={node_names} {change}"
 
 
+def resume_hint(node_name: str) -> str:
+    """The command that returns a drained node to service, as fsdpctl tells the operator to run it."""
+    return f"fsdpctl ssh 0 -- sudo scontrol update nodename={node_name} state=resume"
+
+
 def drain(record: ClusterRecord, node_name: str, reason: str) -> None:
     """Take a node out of scheduling (running jobs finish; none start)."""
     run_slurm(record, update_nodes(shlex.quote(node_name), f"state=DRAIN reason={shlex.quote(reason)}"))

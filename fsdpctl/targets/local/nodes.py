@@ -186,7 +186,7 @@ def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Out = 
                            "uses this subnet: pick another local.subnet_cidr, or `fsdpctl down` it first")
     state.update(local=plan)  # recorded before anything exists, so `down` can always clean up
     try:
-        _create(state, plan, progress)
+        _create(state, plan, spec.local.login_user, progress)
     except BaseException as e:
         progress(f"local: `up` failed ({type(e).__name__}: {e}); removing what it created")
         try:
@@ -202,13 +202,12 @@ def up(state: ClusterState, spec: ClusterSpec, node_count: int, progress: Out = 
              "node")
 
 
-def _create(state: ClusterState, plan: LocalRecord, progress: Out) -> None:
+def _create(state: ClusterState, plan: LocalRecord, login_user: str, progress: Out) -> None:
     key_file = state.keys_dir / "id_ed25519"
     if not key_file.exists():
         state.keys_dir.mkdir(parents=True, exist_ok=True)
         _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"fsdpctl@{state.name}", "-f", str(key_file))
     public_key = key_file.with_suffix(".pub").read_text()
-    login_user = state.spec().local.login_user
     Path(plan.shared_host_dir).mkdir(parents=True, exist_ok=True)
 
     _sh("ip", "link", "add", plan.bridge, "mtu", str(BRIDGE_MTU), "type", "bridge")
