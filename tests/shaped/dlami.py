@@ -76,10 +76,13 @@ IMAGE_CUDA = {"12.8": ("12.8.1", "12.8.93"), "12.9": ("12.9.1", "12.9.86"), "13.
 # What the DLAMI's boot does before anyone configures the node: its packages are installed (the
 # image), services enabled, the instance store mounted at /opt/dlami/nvme. The packaged persistenced
 # unit is static (the driver's device pulls it in on a real node): started once, and systemd may stop it
-# again, as StopWhenUnneeded makes it do on a real node.
+# again, as StopWhenUnneeded makes it do on a real node. Its package index is minutes old, as on an image
+# baked just before the launch: younger than the common role's cache_valid_time, so the roles that install
+# from the image's NVIDIA repository must read it afresh (the plain-Ubuntu layer's is 30 days old).
 BAKE = (f"set -e; dpkg -i {IMAGE_DEBS}/*.deb >/dev/null; systemctl daemon-reload; "
         "systemctl enable --now nvidia-fabricmanager >/dev/null 2>&1; systemctl start nvidia-persistenced; "
-        f"mkdir -p {DLAMI_MOUNT}; mountpoint -q {DLAMI_MOUNT} || mount -t tmpfs -o size=64m dlami-nvme {DLAMI_MOUNT}")
+        f"mkdir -p {DLAMI_MOUNT}; mountpoint -q {DLAMI_MOUNT} || mount -t tmpfs -o size=64m dlami-nvme {DLAMI_MOUNT}; "
+        "touch /var/lib/apt/lists")
 
 # Stand-in commands -------------------------------------------------------------------------------
 MODPROBE = f"""#!/bin/sh
