@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.local.conftest import fsdpctl, host_leftovers, read_state
+from tests.local.conftest import as_root, fsdpctl, host_leftovers, read_state
 from tests.local.demo_cluster import NAME, DemoCluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -117,11 +117,11 @@ def _smoke_inventory_only(home: Path):
 
 def test_smoke_fails_naming_inventory_when_a_node_has_the_wrong_mtu(demo: DemoCluster):
     home = demo.home
-    fsdpctl(home, "ssh", "1", "--", "ip link set eth0 mtu 1500", timeout=60)
+    fsdpctl(home, "ssh", "1", "--", as_root("ip link set eth0 mtu 1500"), timeout=60)
     try:
         result = _smoke_inventory_only(home)
     finally:
-        fsdpctl(home, "ssh", "1", "--", "ip link set eth0 mtu 9000", timeout=60)
+        fsdpctl(home, "ssh", "1", "--", as_root("ip link set eth0 mtu 9000"), timeout=60)
     assert result.returncode != 0
     assert "smoke test failed: inventory" in result.stderr
     inventory = _check(_report(home), "inventory")
@@ -133,7 +133,7 @@ def test_smoke_fails_naming_inventory_when_a_node_has_the_wrong_mtu(demo: DemoCl
 @pytest.mark.ends_demo_cluster
 def test_smoke_fails_naming_inventory_when_a_node_is_down(demo: DemoCluster):
     home = demo.home
-    fsdpctl(home, "ssh", "1", "--", "systemctl poweroff", timeout=60, check=False)
+    fsdpctl(home, "ssh", "1", "--", as_root("systemctl poweroff"), timeout=60, check=False)
     deadline = time.monotonic() + 60
     while fsdpctl(home, "ssh", "1", "--", "true", timeout=60, check=False).returncode == 0:
         assert time.monotonic() < deadline, "node 1 did not power off"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -22,6 +23,15 @@ REPO = Path(__file__).resolve().parents[2]
 SUBNET = "198.18.1.0/24"  # test_configure's; every module that boots nodes has a subnet of its own
 # Node-to-node SSH run on a node. BatchMode: fail instead of asking for a password or a host-key confirmation.
 NODE_SSH = "ssh -o BatchMode=yes -o ConnectTimeout=10"
+LOGIN_USER = "ubuntu"
+"""The login user of the node tests' clusters (`local.login_user`): a user with passwordless sudo, as an AWS
+image's is, so what fsdpctl runs on a node runs as it would there."""
+
+
+def as_root(command: str) -> str:
+    """`command` for a node whose login user is not root: run by root through the user's passwordless sudo
+    (`-n`: fail rather than ask for a password)."""
+    return f"sudo -n sh -c {shlex.quote(command)}"
 
 
 def spec_file(directory: Path, name: str, *, node_count: int = 2, subnet: str = SUBNET, **overrides) -> Path:

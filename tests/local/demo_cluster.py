@@ -1,5 +1,6 @@
 """One configured cluster for every test that only needs one: `fsdpctl demo --keep` (up -> configure ->
-deploy -> smoke) on 2 local nodes in 198.18.3.0/24, made once per test session and shared by the
+deploy -> smoke) on 2 local nodes in 198.18.3.0/24, logged in to as AWS nodes are (as `ubuntu`, a user with
+passwordless sudo: tests/local/conftest.py LOGIN_USER), made once per test session and shared by the
 lifecycle, configure and monitoring tests (a fixture of the whole session, so also when one of those
 modules runs alone).
 
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadFileScheduling
 
-from tests.local.conftest import fsdpctl, read_state, require_local_prerequisites, spec_file
+from tests.local.conftest import LOGIN_USER, fsdpctl, read_state, require_local_prerequisites, spec_file
 
 NAME = "demo-test"
 SUBNET = "198.18.3.0/24"
@@ -68,7 +69,8 @@ def demo_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoClust
     """The demo's cluster, kept up for the session and torn down after it whatever happens."""
     require_local_prerequisites()
     home = tmp_path_factory.mktemp("demo-home")
-    spec = spec_file(home.parent, NAME, local={"subnet_cidr": SUBNET, "nproc_per_node": 1})
+    spec = spec_file(home.parent, NAME,
+                     local={"subnet_cidr": SUBNET, "nproc_per_node": 1, "login_user": LOGIN_USER})
     try:
         result = fsdpctl(home, "demo", str(spec), "--nodes", "2", "--keep", "--smoke-steps", str(SMOKE_STEPS),
                          timeout=1500, check=False)

@@ -24,7 +24,7 @@ from fsdpctl import remote
 from fsdpctl.configure import run_configure
 from fsdpctl.state import cluster_state
 from fsdpctl.targets.local import keeper
-from tests.local.conftest import NODE_SSH, REPO, fsdpctl
+from tests.local.conftest import LOGIN_USER, NODE_SSH, REPO, as_root, fsdpctl
 from tests.local.demo_cluster import ADDRESSES, NAME, NODES, DemoCluster
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -79,7 +79,7 @@ def test_sysctl_drop_in_values_are_live(first_run, state):
       p=/proc/sys/$(echo $key | tr . /)
       if [ -w "$p" ]; then echo "$key|$value|$(sysctl -n $key | tr -s '[:space:]' ' ' | sed 's/ $//')"; fi
     done"""
-    for rank, r in remote.run_all(state, script).items():
+    for rank, r in remote.run_all(state, as_root(script)).items():  # /proc/sys is writable by root only
         rows = [line.split("|") for line in r.stdout.splitlines()]
         assert len(rows) >= 3, (NODES[rank], r.stdout)
         for key, wanted, live in rows:
@@ -87,8 +87,8 @@ def test_sysctl_drop_in_values_are_live(first_run, state):
 
 
 def test_limits_sshd_keepalive_and_hosts(first_run, state):
-    command = ("cat /etc/security/limits.d/90-fsdp-cluster.conf; echo ===; "
-               "sshd -T | grep -Ei '^clientalive'; echo ===; cat /etc/hosts")
+    command = ("cat /etc/security/limits.d/90-fsdp-cluster.conf; echo ===; "  # sshd -T reads the host keys
+               "sudo -n sshd -T | grep -Ei '^clientalive'; echo ===; cat /etc/hosts")
     for rank, r in remote.run_all(state, command).items():
         limits, sshd, hosts = r.stdout.split("===")
         assert re.search(r"^\*\s+hard\s+memlock\s+unlimited", limits, re.MULTILINE), NODES[rank]
@@ -185,14 +185,14 @@ def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
     assert "fsdpctl configure: the playbook failed" in result.stderr
 
 
-def test_a_login_user_that_is_not_root_makes_its_directories_in_the_shared_directory(first_run, state):
+def test_the_login_user_makes_its_directories_in_the_shared_directory(first_run, state):
     """As AWS's login user (ubuntu) makes the jobs' and smoke runs' directories in the FSx mount, whose
     root a new file system gives to root (the local target's host directory is made by root too)."""
     shared = state.read().shared_dir
-    made = remote.run(state, 1, f"id ops >/dev/null 2>&1 || useradd --create-home ops; stat -c %a {shared}; "
-                      f"runuser -u ops -- mkdir {shared}/made-by-ops && stat -c %U {shared}/made-by-ops; "
-                      f"rm -rf {shared}/made-by-ops", check=False)
-    assert made.stdout.split() == ["1777", "ops"], made
+    made_dir = f"{shared}/made-by-login-user"
+    made = remote.run(state, 1, f"id -un; stat -c %a {shared}; mkdir {made_dir} && stat -c %U {made_dir}; "
+                      f"rm -rf {made_dir}", check=False)
+    assert made.stdout.split() == [LOGIN_USER, "1777", LOGIN_USER], made
 
 
 APT_RUN_STAND_IN = """\
@@ -211,10 +211,11 @@ def test_the_common_role_stops_an_automatic_apt_run_holding_the_dpkg_lock(first_
     and give up."""
     drop_in = "/run/systemd/system/apt-daily-upgrade.service.d"
     lock_free = "flock --nonblock /var/lib/dpkg/lock-frontend true"
-    remote.run(state, 1, f"mkdir -p {drop_in} && cat > {drop_in}/stand-in.conf <<'EOF'\n"
-               f"{APT_RUN_STAND_IN}EOF\nsystemctl daemon-reload && "
-               "systemctl start --no-block apt-daily-upgrade.service && "
-               f"for i in $(seq 50); do {lock_free} || exit 0; sleep 0.2; done; exit 1", timeout=60)
+    remote.run(state, 1, as_root(f"mkdir -p {drop_in} && cat > {drop_in}/stand-in.conf <<'EOF'\n"
+                                 f"{APT_RUN_STAND_IN}EOF\nsystemctl daemon-reload && "
+                                 "systemctl start --no-block apt-daily-upgrade.service && "
+                                 f"for i in $(seq 50); do {lock_free} || exit 0; sleep 0.2; done; exit 1"),
+               timeout=60)
     try:
         result = fsdpctl(cluster, "configure", "--tags", "common", "--limit", NODES[1], check=False)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
@@ -222,10 +223,10 @@ def test_the_common_role_stops_an_automatic_apt_run_holding_the_dpkg_lock(first_
                          result.stdout, re.MULTILINE), result.stdout[-3000:]
         unit = remote.run(state, 1, "systemctl is-active apt-daily-upgrade.service", check=False)
         assert unit.stdout.strip() in ("inactive", "failed"), unit
-        assert remote.run(state, 1, lock_free, check=False).returncode == 0
+        assert remote.run(state, 1, as_root(lock_free), check=False).returncode == 0
     finally:
-        remote.run(state, 1, f"systemctl stop apt-daily-upgrade.service; rm -rf {drop_in}; "
-                   "systemctl daemon-reload", timeout=60, check=False)
+        remote.run(state, 1, as_root(f"systemctl stop apt-daily-upgrade.service; rm -rf {drop_in}; "
+                                     "systemctl daemon-reload"), timeout=60, check=False)
 
 
 def test_a_limit_that_matches_no_node_is_an_error(first_run, cluster):

@@ -24,7 +24,7 @@ from fsdpctl.checks.torchrun import RUN_TIMEOUT_S, read_remote_metrics
 from fsdpctl.checks.training import TrainingRun, trainer_args
 from fsdpctl.monitor import NODE_QUERIES, Prometheus, by_node
 from fsdpctl.state import cluster_state
-from tests.local.conftest import fsdpctl
+from tests.local.conftest import as_root, fsdpctl
 from tests.local.demo_cluster import ADDRESSES, NAME, NODES, DemoCluster
 from tests.monitoring.promql import metric_names
 
@@ -193,11 +193,11 @@ def test_monitor_once_prints_a_row_per_node(home):
 
 
 def test_monitor_names_a_missing_prometheus(home, state):
-    remote.run(state, 0, "systemctl stop prometheus")
+    remote.run(state, 0, as_root("systemctl stop prometheus"))
     try:
         result = fsdpctl(home, "monitor", "--cluster", NAME, "--once", check=False, timeout=120)
     finally:
-        remote.run(state, 0, "systemctl start prometheus")
+        remote.run(state, 0, as_root("systemctl start prometheus"))
     assert result.returncode != 0
     assert "fsdpctl configure --tags monitoring" in result.stderr
 

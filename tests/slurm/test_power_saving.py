@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fsdpctl.processes import processes
-from tests.local.conftest import fsdpctl, read_state
+from tests.local.conftest import LOGIN_USER, fsdpctl, read_state
 from tests.slurm.conftest import on_node, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -41,7 +41,7 @@ JOB_TIMEOUT_S = 240
 def cluster(tmp_path_factory):
     """Up with power saving and `configure --tags storage,slurm`; torn down after the module whatever
     happens."""
-    spec = {"scaling": {"min_nodes": 1}, "local": {"login_user": "ubuntu"}}
+    spec = {"scaling": {"min_nodes": 1}, "local": {"login_user": LOGIN_USER}}
     with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec=spec, tags="storage,slurm",
                        configure_args=FAST_SUSPEND) as home_and_env:
         yield home_and_env

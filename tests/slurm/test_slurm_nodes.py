@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shlex
 import time
 from pathlib import Path
 
@@ -35,13 +34,12 @@ import pytest
 import yaml
 
 from fsdpctl import slurm
-from tests.local.conftest import fsdpctl, read_state
+from tests.local.conftest import LOGIN_USER, as_root, fsdpctl, read_state
 from tests.slurm.conftest import cluster_state, on_node, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 NAME = "slurm-test"
-LOGIN_USER = "ubuntu"
 SUBNET = "198.18.20.0/24"  # the slurm area's subnet
 NODES = [f"{NAME}-node0", f"{NAME}-node1"]
 STANDIN = Path(__file__).with_name("imds_standin.py")
@@ -68,9 +66,9 @@ def ssh(cluster, rank: int, command: str, check: bool = True):
     return fsdpctl(home, "ssh", str(rank), "--", command, env=env, check=check, timeout=120)
 
 
-def as_root(cluster, rank: int, command: str, check: bool = True):
+def ssh_as_root(cluster, rank: int, command: str, check: bool = True):
     """`command` run as root on the node (the login user has passwordless sudo, as on AWS)."""
-    return ssh(cluster, rank, f"sudo sh -c {shlex.quote(command)}", check=check)
+    return ssh(cluster, rank, as_root(command), check=check)
 
 
 def node_states(cluster) -> dict[str, tuple[str, str]]:
@@ -114,8 +112,8 @@ def test_every_node_is_idle_in_sinfo(cluster):
     conf = ssh(cluster, 1, "cat /etc/slurm/slurm.conf").stdout
     assert f"SlurmctldHost={NODES[0]}(" in conf and "ProctrackType=proctrack/linuxproc" in conf
     # one munge key for the cluster, not the node image's
-    keys = {as_root(cluster, r, "sha256sum /etc/munge/munge.key").stdout.split()[0] for r in (0, 1)}
-    image_key = as_root(cluster, 0, "sha256sum /etc/fsdp-cluster/munge.key").stdout.split()[0]
+    keys = {ssh_as_root(cluster, r, "sha256sum /etc/munge/munge.key").stdout.split()[0] for r in (0, 1)}
+    image_key = ssh_as_root(cluster, 0, "sha256sum /etc/fsdp-cluster/munge.key").stdout.split()[0]
     assert keys == {image_key}
 
 
@@ -204,7 +202,7 @@ def test_fine_tuning_job_from_hf_weights_exports_a_model_transformers_loads(clus
     model = make_model("qwen3", root / "model")
     chats = chat_examples(16)
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
-    as_root(cluster, 0, f"chown -R {LOGIN_USER}: /shared/hf-test")  # the user's, as if they had copied it
+    ssh_as_root(cluster, 0, f"chown -R {LOGIN_USER}: /shared/hf-test")  # the user's, as if they had copied it
     home, env = cluster
     out = fsdpctl(home, "train", "finetune", "--nodes", "2", "--steps", "8", "--name", "sft-2n",
                   "--set", "model.hf_dir=/shared/hf-test/model",
@@ -242,7 +240,7 @@ def test_cancelled_job_ends_without_a_requeue_and_leaves_no_metrics_exported(clu
     rank leaves it): the epilog removes the job's files."""
     home, env = cluster
     for rank in (0, 1):  # as the monitoring role makes it: the login user's
-        as_root(cluster, rank, f"install -d -o {LOGIN_USER} {slurm.PROMETHEUS_TEXTFILE_DIR}")
+        ssh_as_root(cluster, rank, f"install -d -o {LOGIN_USER} {slurm.PROMETHEUS_TEXTFILE_DIR}")
     try:
         job_id = train(cluster, "--steps", "100000", "--name", "tiny-cancel")
         job_dir = shared(cluster) / "fsdp-cluster/jobs/tiny-cancel"
@@ -263,7 +261,7 @@ def test_cancelled_job_ends_without_a_requeue_and_leaves_no_metrics_exported(clu
         assert f"removed fsdp-trainer-{job_id}-rank7.prom (left by a killed rank)" in health_log(cluster, 1)
     finally:
         for rank in (0, 1):
-            as_root(cluster, rank, f"rm -rf {slurm.PROMETHEUS_TEXTFILE_DIR}")
+            ssh_as_root(cluster, rank, f"rm -rf {slurm.PROMETHEUS_TEXTFILE_DIR}")
 
 
 RESUMED_FROM = re.compile(r"checkpoint: resumed from \S+ \(step (\d+)\)")
@@ -354,7 +352,7 @@ def test_a_frozen_rank_is_ended_by_the_job_watcher_and_the_job_resumes_with_the_
     assert ended, log[-3000:]
     assert int(ended.group(1)) >= int(ended.group(2)) >= 15
     assert "retried in this allocation (run 0 attempt 1" in log
-    watcher_log = as_root(cluster, 0, "journalctl --no-pager -o cat -u fsdp-job-watcher").stdout
+    watcher_log = ssh_as_root(cluster, 0, "journalctl --no-pager -o cat -u fsdp-job-watcher").stdout
     assert re.search(rf"step {job_id}\.\d+: no metrics for \d+ s .*: ending it", watcher_log), watcher_log
     _assert_resumed_with_the_uninterrupted_losses(cluster, job_dir, log)
 
@@ -419,7 +417,7 @@ def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notic
     _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
                          "the drain on a rebalance recommendation", timeout=60)
     assert reason.startswith('rebalance recommendation notice: {"noticeTime"')
-    as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    ssh_as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
 
     # The interruption notice with a job running there: drain, and the job checkpoints at once.
     job_id = train(cluster, "--steps", "400", "--checkpoint-interval", "1000", "--name", "tiny-spot")
@@ -458,7 +456,7 @@ def test_spot_watcher_drains_its_node_and_checkpoints_the_running_job_on_a_notic
 
 
 def health_log(cluster, rank: int) -> str:
-    return as_root(cluster, rank, "journalctl --no-pager -o cat -t fsdp-node-health").stdout
+    return ssh_as_root(cluster, rank, "journalctl --no-pager -o cat -t fsdp-node-health").stdout
 
 
 def clear_of_the_periodic_check(cluster, rank: int, margin_s: float = 30) -> None:
@@ -466,7 +464,7 @@ def clear_of_the_periodic_check(cluster, rank: int, margin_s: float = 30) -> Non
     HealthCheckInterval) is more than margin_s away, so that a fault made now meets the prolog first."""
     defaults = Path(__file__).parents[2] / "ansible/roles/slurm/defaults/main.yml"
     interval = yaml.safe_load(defaults.read_text())["slurm_health_check_interval"]
-    out = as_root(cluster, rank, "date +%s; journalctl --no-pager -o short-unix -t fsdp-node-health "
+    out = ssh_as_root(cluster, rank, "date +%s; journalctl --no-pager -o short-unix -t fsdp-node-health "
               "| grep ': periodic on ' | tail -n 1").stdout.split()
     now, last = float(out[0]), float(out[1]) if len(out) > 1 else None
     if last is not None and (last - now) % interval < margin_s:
@@ -480,7 +478,7 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     the periodic check (slurmd runs it at start) drains a node the same way."""
     home, env = cluster
     clear_of_the_periodic_check(cluster, 1)
-    as_root(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
+    ssh_as_root(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
         f"sed -i 's/^EXPECTED_GPUS=.*/EXPECTED_GPUS=1/' {HEALTH_CONF} && "
         f"cat > /usr/local/bin/nvidia-smi <<'EOF'\n{FAULTY_NVIDIA_SMI}EOF\n"
         "chmod 755 /usr/local/bin/nvidia-smi")
@@ -503,8 +501,8 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     assert [(n["slurm_state"], n["slurm_reason"]) for n in listed] == [("idle", None), ("drained", expected)]
 
     # Fixed and resumed, the node takes the job, which runs on both nodes.
-    as_root(cluster, 1, f"rm /usr/local/bin/nvidia-smi && mv /tmp/node-health.conf.orig {HEALTH_CONF}")
-    as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    ssh_as_root(cluster, 1, f"rm /usr/local/bin/nvidia-smi && mv /tmp/node-health.conf.orig {HEALTH_CONF}")
+    ssh_as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
     row = wait_for_job_end(cluster, job_id)
     assert row["state"] == "COMPLETED" and row["nodes"] == f"{NAME}-node[0-1]", row
     prologs = [int(m) for m in re.findall(rf"prolog job {job_id} on \S+: ok in (\d+) ms",
@@ -513,13 +511,13 @@ def test_a_failing_health_check_drains_its_node_and_the_job_waits_for_healthy_no
     assert len(prologs) == 3  # node 0 at both allocations, node 1 at the second
 
     # The periodic check: slurmd runs it when it starts, before it registers.
-    as_root(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
+    ssh_as_root(cluster, 1, f"cp {HEALTH_CONF} /tmp/node-health.conf.orig && "
         f"sed -i 's/^EXPECTED_GPUS=.*/EXPECTED_GPUS=1/' {HEALTH_CONF} && systemctl restart slurmd")
     _, reason = wait_for(lambda: (s := node_states(cluster)[NODES[1]])[0] == "drained" and s,
                          "node 1 drained by its periodic check", timeout=120)
     assert reason == "health (periodic): nvidia-smi not found (1 GPUs expected)"
-    as_root(cluster, 1, f"mv /tmp/node-health.conf.orig {HEALTH_CONF}")
-    as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
+    ssh_as_root(cluster, 1, f"mv /tmp/node-health.conf.orig {HEALTH_CONF}")
+    ssh_as_root(cluster, 0, f"scontrol update nodename={NODES[1]} state=RESUME")
     wait_for(lambda: node_states(cluster)[NODES[1]][0] == "idle", "node 1 back in service", timeout=60)
 
 
