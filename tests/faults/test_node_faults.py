@@ -1,6 +1,7 @@
 """Faults on real local nodes (2 systemd-nspawn nodes in 198.18.50.0/24): every stage SIGKILLed at a
 seeded random point, then rerun or torn down; a node that dies during `deploy`; a node's link cut
-in the middle of training. One cluster for the module; the tests run in file order.
+in the middle of training. One cluster for the module, logged in to as AWS nodes are (as `ubuntu`, with
+passwordless sudo); the tests run in file order.
 
 The seed is printed and can be set with FSDP_FAULT_SEED to replay a run's kill points.
 """
@@ -25,6 +26,7 @@ from fsdpctl.checks.torchrun import NODE_TIMEOUT_S, read_remote_metrics
 from fsdpctl.checks.training import trainer_args
 from fsdpctl.state import cluster_state
 from tests.local.conftest import (
+    LOGIN_USER,
     NODE_SSH,
     REPO,
     fsdpctl,
@@ -54,7 +56,8 @@ def spec(home: Path) -> Path:
     path = home.parent / f"{NAME}.yaml"
     path.write_text("\n".join([f"name: {NAME}", "region: us-east-1", "availability_zone: us-east-1b",
                                "instance_type: p4d.24xlarge", "node_count: 2", "ssh_cidr: 203.0.113.0/24",
-                               "local:", f"  subnet_cidr: {SUBNET}", "  nproc_per_node: 1", ""]))
+                               "local:", f"  subnet_cidr: {SUBNET}", "  nproc_per_node: 1",
+                               f"  login_user: {LOGIN_USER}", ""]))
     return path
 
 
