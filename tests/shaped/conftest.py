@@ -13,6 +13,7 @@ import pytest
 from fsdpctl import remote
 from fsdpctl.state import ClusterState, cluster_state
 from tests.local.conftest import (
+    as_root,
     fsdpctl,
     prerequisites,  # noqa: F401 (a fixture the tests here use)
 )
@@ -21,14 +22,15 @@ from tests.local.conftest import (
 @contextlib.contextmanager
 def shaped_cluster(home: Path, name: str, spec: Path, layer: Path,
                    bake: str) -> Iterator[tuple[Path, ClusterState]]:
-    """`fsdpctl up` of the spec with every node given the layer, then `bake` run on every node (the image
-    as it boots); (FSDPCTL_HOME, the cluster's state) with FSDPCTL_HOME set; taken down whatever happens."""
+    """`fsdpctl up` of the spec with every node given the layer, then `bake` run as root on every node (the
+    image as it boots); (FSDPCTL_HOME, the cluster's state) with FSDPCTL_HOME set; taken down whatever
+    happens."""
     try:
         fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("FSDPCTL_HOME", str(home))
             state = cluster_state(name)
-            remote.run_all(state, bake, timeout=120)
+            remote.run_all(state, as_root(bake), timeout=120)
             yield home, state
     finally:
         fsdpctl(home, "down", "--yes", "--cluster", name, check=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdpctl import remote
-from tests.local.conftest import fsdpctl, spec_file
+from tests.local.conftest import LOGIN_USER, fsdpctl, spec_file
 from tests.shaped import dlami
 from tests.shaped.conftest import cached_facts, shaped_cluster
 from tests.shaped.test_shaped_cluster import CONFIGURED_ROLES, EXTRA_ARGS, RECAP, results
@@ -42,8 +42,10 @@ def cluster(prerequisites, tmp_path_factory):
     work = tmp_path_factory.mktemp("shape")
     layer = dlami.build_layer(work / "layer", INSTANCE_TYPE, work)
     home = tmp_path_factory.mktemp("home")
-    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, node_count=1, local={"subnet_cidr": SUBNET},
-                     instance_type=INSTANCE_TYPE)
+    # logged in to as on AWS: the roles run as root through the login user's sudo, and the user reads
+    # what they leave (the NCCL environment, nvidia-smi)
+    spec = spec_file(tmp_path_factory.mktemp("spec"), NAME, node_count=1,
+                     local={"subnet_cidr": SUBNET, "login_user": LOGIN_USER}, instance_type=INSTANCE_TYPE)
     with shaped_cluster(home, NAME, spec, layer, dlami.BAKE) as home_and_state:
         yield home_and_state
 
