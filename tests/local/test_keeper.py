@@ -57,6 +57,27 @@ def test_sigterm_to_the_keeper_is_a_shutdown_request_for_the_node(tmp_path):
     assert process.wait(timeout=30) == 0
 
 
+def test_a_reboot_after_a_shutdown_request_ends_the_node(tmp_path):
+    """A node that reboots when asked to shut down (exit 133 on SIGTERM) is not started again."""
+    runs = tmp_path / "runs"
+    node = _kept(tmp_path, f"echo $$ >> {runs}; trap 'exit 133' TERM; while :; do sleep 0.1; done")
+    settings = tmp_path / "keeper.json"
+    node.write(settings)
+    process = subprocess.Popen([sys.executable, keeper.__file__, str(settings)])
+    deadline = time.monotonic() + 30
+    while not runs.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    try:
+        assert process.wait(timeout=30) == 133
+    finally:  # a keeper that started the node again leaves it running
+        process.kill()
+        for pid in runs.read_text().split():
+            subprocess.run(["kill", "-KILL", pid], stderr=subprocess.DEVNULL, check=False)
+    assert len(runs.read_text().split()) == 1
+    assert "rebooted" not in Path(node.log).read_text()
+
+
 def test_bad_arguments_are_a_usage_line():
     result = subprocess.run([sys.executable, keeper.__file__], capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr == "usage: keeper.py NODE_DIR/keeper.json\n"

@@ -104,14 +104,28 @@ def _reconnect(node: KeptNode, nspawn: subprocess.Popen) -> None:
 
 
 def keep(node: KeptNode) -> int:
-    """Run the node until it ends other than by a reboot; its last nspawn's exit status (128 + the
-    signal for a killed one, as a shell reports it)."""
+    """Run the node until it ends other than by a reboot, or by a reboot after a shutdown request; its
+    last nspawn's exit status (128 + the signal for a killed one, as a shell reports it)."""
+    nspawn: subprocess.Popen | None = None
+    shutdown_requested = False
+
+    def request_shutdown(_signum, _frame) -> None:
+        nonlocal shutdown_requested
+        shutdown_requested = True
+        if nspawn is not None:
+            nspawn.send_signal(signal.SIGTERM)
+
+    # SIGTERM to the keeper is a shutdown request for the node, as SIGTERM to nspawn is. The handler is
+    # set before the node starts: a request that came between the start (its pid file written) and the
+    # handler would have ended the keeper by the default action and left the node running.
+    signal.signal(signal.SIGTERM, request_shutdown)
     nspawn = _start(node)
-    # SIGTERM to the keeper is a shutdown request for the node, as SIGTERM to nspawn is.
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: nspawn.send_signal(signal.SIGTERM))
     while True:
+        if shutdown_requested:  # asked while this nspawn was being started
+            nspawn.send_signal(signal.SIGTERM)
         status = nspawn.wait()
-        if status != REBOOT_EXIT:
+        # a reboot after a shutdown request ends the node, as the request asked
+        if status != REBOOT_EXIT or shutdown_requested:
             return status if status >= 0 else 128 - status
         _say(node, "rebooted (systemd-nspawn exit 133): starting it again")
         nspawn = _start(node)
