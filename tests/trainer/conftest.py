@@ -2,20 +2,26 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.trainer.rank_launcher import RankLauncher
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def torchrun(nproc: int, args: list[str], *, timeout: float = 240) -> subprocess.CompletedProcess:
-    """A CPU/gloo torchrun launch on loopback; --standalone picks a free rendezvous port."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+_ranks = RankLauncher(REPO)
+
+
+def torchrun(nproc: int, args: list[str], *, timeout: float = 240, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess:
+    """A CPU/gloo launch of NPROC ranks on loopback as `torchrun --standalone` makes it, the ranks forked
+    from a process that imported torch and the trainer once (rank_launcher.py says why, and which tests
+    run the real torchrun); `env` instead of this process's environment."""
+    environment = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    environment.pop("CUDA_VISIBLE_DEVICES", None)
+    return _ranks.run(nproc, args, environment, timeout)
 
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:

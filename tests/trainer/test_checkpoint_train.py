@@ -1,4 +1,4 @@
-"""End to end with the packaged trainer (python -m trainer under torchrun, tiny config, 2 CPU ranks):
+"""End to end with the packaged trainer (python -m trainer, tiny config, 2 CPU ranks as torchrun starts them):
 a run stopped at step 5 and resumed to 10 logs exactly the metrics of a straight 10-step run, and its
 checkpoints pass `python -m trainer.checkpoint verify`."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_checkpoint_worker import REPO, TORCHRUN, worker_env
+from tests.trainer.conftest import REPO, torchrun
+from tests.trainer.test_checkpoint_worker import worker_env
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +23,10 @@ DETERMINISTIC_FIELDS = ("step", "loss", "lr", "grad_norm")
 
 
 def train(steps: int, metrics: Path, checkpoint_dir: Path, *extra: str) -> str:
-    argv = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", *TRAIN, "--steps", str(steps),
-            "--metrics-file", str(metrics), "--checkpoint-dir", str(checkpoint_dir), *extra]
-    done = subprocess.run(argv, cwd=REPO, env=worker_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{argv} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    args = [*TRAIN, "--steps", str(steps), "--metrics-file", str(metrics),
+            "--checkpoint-dir", str(checkpoint_dir), *extra]
+    done = torchrun(2, args, timeout=300)
+    assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return done.stderr
 
 

@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -143,12 +142,14 @@ def worker_args(*, steps: int, metrics: Path, checkpoint: dict, **options: float
 
 def run_job(nproc: int, *, steps: int, metrics: Path, checkpoint: dict, env: dict[str, str] | None = None,
             **options: float | Path) -> str:
-    """Run the worker on ``nproc`` local ranks (torchrun --standalone: its own free port on loopback);
-    returns its stderr (the checkpoint log), fails the test on a non-zero exit."""
-    argv = [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
-            *worker_args(steps=steps, metrics=metrics, checkpoint=checkpoint, **options)]
-    done = subprocess.run(argv, env=env or worker_env(), capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, f"{argv} failed ({done.returncode}):\n{done.stderr[-4000:]}"
+    """Run the worker on ``nproc`` local ranks (as torchrun --standalone starts them, on a free port on
+    loopback: tests/trainer/conftest.py); returns its stderr (the checkpoint log), fails the test on a
+    non-zero exit."""
+    from tests.trainer.conftest import torchrun  # here, not at the top: the ranks run this file too
+
+    args = worker_args(steps=steps, metrics=metrics, checkpoint=checkpoint, **options)
+    done = torchrun(nproc, args, timeout=240, env=env or worker_env())
+    assert done.returncode == 0, f"{args} failed ({done.returncode}):\n{done.stderr[-4000:]}"
     return done.stderr
 
 
