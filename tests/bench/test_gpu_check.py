@@ -170,16 +170,23 @@ def test_gpu_mode_on_cpu_torch_refuses_and_says_why(tmp_path):
     assert not (out / "steps" / "setup.log").exists()
 
 
-@pytest.mark.slow
-def test_dry_run_runs_every_step_on_cpu(tmp_path):
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory) -> tuple[Path, Path, dict]:
     """The whole check on CPU but the compile step (its CPU compile alone takes ~100 s on 2 cores;
-    test_plan_selects_the_compile_step_alone covers its command)."""
-    out = tmp_path / "out"
+    test_plan_selects_the_compile_step_alone covers its command), run once for the tests below: the out
+    directory, the step directories (GPU_CHECK_WORK) and summary.json."""
+    root = tmp_path_factory.mktemp("dry-run")
+    out, work = root / "out", root / "work"
     # Its own site: the torchtitan it installs from the checkout's .whl must not reach other tests' runs.
     result = run("--dry-run", "--skip", "compile", "--out", str(out), timeout=400,
-                 GPU_CHECK_WORK=str(tmp_path / "work"), GPU_CHECK_SITE=str(tmp_path / "site"))
+                 GPU_CHECK_WORK=str(work), GPU_CHECK_SITE=str(root / "site"))
     assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((out / "summary.json").read_text())
+    return out, work, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_step_on_cpu(dry_run):
+    out, work, summary = dry_run
     status = {name: s["status"] for name, s in summary["steps"].items()}
     assert status == {**dict.fromkeys(STEPS, "pass"), "compile": "skipped", "torchtitan_llama1b": "skipped"}
     assert summary["steps"]["compile"]["reason"] == "not selected (--only/--skip)"
@@ -195,8 +202,8 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "summary.json", "summary.md"]
     # Checkpoints are removed after the resume step; logs and metrics stay; the model directory stays out
     # of the logs.
-    assert not list((tmp_path / "work" / "resume").glob("ckpt*"))
-    assert (tmp_path / "work" / "bf16" / "metrics.jsonl").is_file()
+    assert not list((work / "resume").glob("ckpt*"))
+    assert (work / "bf16" / "metrics.jsonl").is_file()
     with tarfile.open(out / "logs.tar.gz") as logs:
         names = logs.getnames()
     assert "./hf_llama1b/run.log" in names and not [n for n in names if n.startswith("./models")]
@@ -204,13 +211,11 @@ def test_dry_run_runs_every_step_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(tmp_path):
+def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(dry_run):
     """The step's command path on CPU: the bundled gpt-oss-20b architecture cut to 4 blocks at tiny widths,
     its estimate, and 5 steps through bench/gpu_check/moe_paths.py, summarised."""
-    out = tmp_path / "out"
-    result = run("--dry-run", "--only", "gpt_oss_layers", "--out", str(out), timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
-    step = json.loads((out / "summary.json").read_text())["steps"]["gpt_oss_layers"]
+    _, work, summary = dry_run
+    step = summary["steps"]["gpt_oss_layers"]
     assert step["status"] == "pass" and step["steps"] == 5 and step["median_tokens_per_s"] > 0
     assert step["architecture"]["num_hidden_layers"] == 4 and step["architecture"]["num_local_experts"] == 8
     # The loop on CPU: 5 steps x 4 blocks x (forward + its recomputation under activation checkpointing).
@@ -219,7 +224,7 @@ def test_gpt_oss_layers_dry_run_trains_the_cut_architecture_on_cpu(tmp_path):
     check = step["grouped_equals_loop"]
     assert (check["passed"], check["device"], check["backward"]) == (True, "cpu", "not on cpu")
     assert step["config"]["active_params"] < step["config"]["params"] and step["estimate_gib"] > 0
-    written = json.loads((out / "steps" / "gpt_oss_layers" / "model-config.json").read_text())
+    written = json.loads((work / "gpt_oss_layers" / "model-config.json").read_text())
     assert written["layer_types"] == ["sliding_attention", "full_attention"] * 2
     assert written["rope_scaling"]["rope_type"] == "yarn" and written["model_type"] == "gpt_oss"
 
@@ -237,12 +242,10 @@ def test_gpt_oss_layers_beyond_the_model_fail_the_step_with_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_llama1b_makes_its_model_directory_once(tmp_path):
-    work = tmp_path / "work"
-    first = run("--dry-run", "--only", "hf_llama1b", "--out", str(tmp_path / "a"), timeout=120,
-                GPU_CHECK_WORK=str(work))
-    assert first.returncode == 0, first.stdout + first.stderr
-    made = json.loads((tmp_path / "a" / "summary.json").read_text())["steps"]["hf_llama1b"]
+def test_hf_llama1b_makes_its_model_directory_once(dry_run, tmp_path):
+    """The dry run made the model directory in its GPU_CHECK_WORK; a second run there reuses it."""
+    _, work, summary = dry_run
+    made = summary["steps"]["hf_llama1b"]
     assert made["status"] == "pass" and made["model_dir_made"] and made["export_mb"] > 0
     second = run("--dry-run", "--only", "hf_llama1b", "--out", str(tmp_path / "b"), timeout=120,
                  GPU_CHECK_WORK=str(work))
