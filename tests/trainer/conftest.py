@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.rank_launcher import RankLauncher
+from tests.trainer.rank_launcher import RankLauncher, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,13 +35,9 @@ def moto_s3(monkeypatch):
     """An S3 stand-in on loopback (moto's server) for tests whose subprocesses use S3: the AWS_*
     variables pointing at it are set in this process's environment (subprocesses inherit them) and
     returned."""
-    import socket
-
     from moto.server import ThreadedMotoServer
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
     aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",

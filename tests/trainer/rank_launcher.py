@@ -96,7 +96,8 @@ class RankLauncher:
         self.zygote = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on loopback now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -149,7 +150,7 @@ def _run_rank(request: dict, environment: dict[str, str]) -> None:
 
 def _launch(request: dict) -> dict:
     """Fork the launch's ranks into a process group of their own and wait for them as torchrun does."""
-    nproc, port, run_id = request["nproc"], _free_port(), uuid.uuid4().hex[:12]
+    nproc, port, run_id = request["nproc"], free_port(), uuid.uuid4().hex[:12]
     Path(request["stdout"]).touch()
     Path(request["stderr"]).touch()
     sys.stdout.flush()

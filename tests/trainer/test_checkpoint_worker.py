@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -118,12 +117,6 @@ def main() -> int:
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_env(**extra: str) -> dict[str, str]:

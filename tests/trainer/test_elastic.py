@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer.rank_launcher import free_port
 from tests.trainer.test_checkpoint_worker import (
     REFERENCE_STEPS,
     TORCHRUN,
-    free_port,
     losses,
     reference_run,
     worker_args,
