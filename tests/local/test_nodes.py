@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fsdpctl import remote
+from fsdpctl.processes import alive
 from fsdpctl.state import cluster_state
 from tests.local.conftest import fsdpctl, host_leftovers, read_state, reboot, spec_file
 
@@ -198,20 +199,13 @@ def test_a_node_rebooted_from_inside_comes_back_as_a_machine_does(cluster, state
     assert "every node answers over SSH" in fsdpctl(home, "status").stdout
 
 
-def process_gone(pid: int) -> bool:
-    try:
-        return "zombie" in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-
-
 def test_up_on_a_broken_cluster_is_a_clear_error(cluster):
     """Kills node1's nspawn: its container's init lives on, orphaned, for `down` to find (next test)."""
     home, spec = cluster
     node1 = read_state(home, NAME)["local"]["nodes"][1]
     pid = int(Path(node1["dir"], "nspawn.pid").read_text())
     os.kill(pid, signal.SIGKILL)
-    while not process_gone(pid):
+    while alive(pid):
         time.sleep(0.05)
     again = fsdpctl(home, "up", str(spec), "--target", "local", check=False)
     assert again.returncode == 2

@@ -44,10 +44,14 @@ def listening(port: int) -> bool:
 
 def worker_of(agent: subprocess.Popen, pids: Path) -> int:
     for pid_file in pids.iterdir():
-        stat = Path(f"/proc/{int(pid_file.read_text())}/stat")
+        pid = int(pid_file.read_text())
+        try:  # a worker of an earlier round may exit between the listing and the read
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
         # "pid (comm) state ppid ..."; a worker's comm (python) holds no ")"
-        if stat.exists() and int(stat.read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:
-            return int(pid_file.read_text())
+        if int(stat.rsplit(")", 1)[1].split()[1]) == agent.pid:
+            return pid
     raise AssertionError(f"no worker of agent {agent.pid} in {pids}")
 
 

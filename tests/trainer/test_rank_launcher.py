@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from fsdpctl.processes import alive
 from tests.trainer.conftest import REPO, torchrun
 
 # What a worker reads from torchrun (torch.distributed.elastic.agent.server.local_elastic_agent).
@@ -68,4 +68,4 @@ def test_a_launch_past_its_timeout_is_killed_whole(tmp_path):
         torchrun(2, [str(script)], timeout=3)
     ranks = [int(p.name) for p in pids.iterdir()]
     assert len(ranks) == 2
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in ranks if alive(pid)]
