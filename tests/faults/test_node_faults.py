@@ -33,6 +33,7 @@ from tests.local.conftest import (
     host_leftovers,
     read_state,
     require_local_prerequisites,
+    spec_file,
 )
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -53,12 +54,8 @@ def home(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def spec(home: Path) -> Path:
-    path = home.parent / f"{NAME}.yaml"
-    path.write_text("\n".join([f"name: {NAME}", "region: us-east-1", "availability_zone: us-east-1b",
-                               "instance_type: p4d.24xlarge", "node_count: 2", "ssh_cidr: 203.0.113.0/24",
-                               "local:", f"  subnet_cidr: {SUBNET}", "  nproc_per_node: 1",
-                               f"  login_user: {LOGIN_USER}", ""]))
-    return path
+    local = {"subnet_cidr": SUBNET, "nproc_per_node": 1, "login_user": LOGIN_USER}
+    return spec_file(home.parent, NAME, local=local)
 
 
 @pytest.fixture(scope="module")

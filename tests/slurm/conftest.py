@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import yaml
 
 from fsdpctl import remote
 from fsdpctl.state import ClusterState
 from tests.ansible.conftest import detect_hardware, node_variables, sysfs_tree
-from tests.local.conftest import fsdpctl, require_local_prerequisites
+from tests.local.conftest import fsdpctl, require_local_prerequisites, spec_file
 
 WAIT_TIMEOUT_S = 400
 """How long a node test waits for a job or a node by default."""
@@ -61,15 +60,12 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: s
     settings."""
     require_local_prerequisites()
     home = tmp_path_factory.mktemp("fsdpctl-home")
-    spec_file = home.parent / f"{name}.yaml"
-    spec_file.write_text(yaml.safe_dump({
-        "name": name, "region": "us-east-1", "availability_zone": "us-east-1b",
-        "instance_type": "p4d.24xlarge", "node_count": 2, "ssh_cidr": "203.0.113.0/24",
-        **(spec or {}),
-        "local": {"subnet_cidr": subnet, "nproc_per_node": 1, **(spec or {}).get("local", {})}}))
+    spec = spec or {}
+    local = {"subnet_cidr": subnet, "nproc_per_node": 1, **spec.get("local", {})}
+    spec_path = spec_file(home.parent, name, **{**spec, "local": local})
     env = {k: v for k, v in os.environ.items() if k == "FSDPCTL_CACHE"}
     try:
-        fsdpctl(home, "up", str(spec_file), "--target", "local", "--nodes", "2", env=env, timeout=900)
+        fsdpctl(home, "up", str(spec_path), "--target", "local", "--nodes", "2", env=env, timeout=900)
         fsdpctl(home, "configure", "--tags", tags, *configure_args, env=env, timeout=600)
         if deploy:
             fsdpctl(home, "deploy", env=env, timeout=900)
