@@ -96,6 +96,15 @@ class _SharedClusterFileScheduling(LoadFileScheduling):
         path = super()._split_scope(nodeid)
         return "demo-cluster" if path in SHARING_MODULES else path
 
+    def _reschedule(self, node) -> None:
+        # xdist hands a worker its next file once two of its tests are left to run. A node test takes
+        # minutes, so near the end a worker sat on a file it could not start for two tests' time while the
+        # others, finding nothing left, shut down. A worker runs a test only once it knows the next one
+        # (xdist's remote.run_one_test), so one test left is the latest the next file can come.
+        if self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) > 1:
+            return
+        super()._reschedule(node)
+
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
