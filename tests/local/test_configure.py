@@ -206,6 +206,10 @@ KillMode=control-group
 dpkg lock (a drop-in in place of its command)."""
 
 
+APT_TIMERS = ("apt-daily.timer", "apt-daily-upgrade.timer")
+"""The image's apt timers, enabled and running as on a fresh image."""
+
+
 def test_the_common_role_stops_an_automatic_apt_run_holding_the_dpkg_lock(first_run, cluster, state):
     """Before its apt tasks (skipped here: local nodes have no repository), which would wait on the lock
     and give up."""
@@ -213,6 +217,7 @@ def test_the_common_role_stops_an_automatic_apt_run_holding_the_dpkg_lock(first_
     lock_free = "flock --nonblock /var/lib/dpkg/lock-frontend true"
     remote.run(state, 1, as_root(f"mkdir -p {drop_in} && cat > {drop_in}/stand-in.conf <<'EOF'\n"
                                  f"{APT_RUN_STAND_IN}EOF\nsystemctl daemon-reload && "
+                                 f"systemctl enable --now {' '.join(APT_TIMERS)} && "
                                  "systemctl start --no-block apt-daily-upgrade.service && "
                                  f"for i in $(seq 50); do {lock_free} || exit 0; sleep 0.2; done; exit 1"),
                timeout=60)
@@ -223,6 +228,12 @@ def test_the_common_role_stops_an_automatic_apt_run_holding_the_dpkg_lock(first_
                          result.stdout, re.MULTILINE), result.stdout[-3000:]
         unit = remote.run(state, 1, "systemctl is-active apt-daily-upgrade.service", check=False)
         assert unit.stdout.strip() in ("inactive", "failed"), unit
+        # The timers first, and for good: one firing during the stop would start the run again.
+        assert re.search(rf"^\s+changed\s+{NODES[1]}\s+common : Turn off the apt timers",
+                         result.stdout, re.MULTILINE), result.stdout[-3000:]
+        timers = remote.run(state, 1, f"systemctl is-enabled {' '.join(APT_TIMERS)}; "
+                                      f"systemctl is-active {' '.join(APT_TIMERS)}", check=False)
+        assert timers.stdout.split() == ["disabled", "disabled", "inactive", "inactive"], timers
         assert remote.run(state, 1, as_root(lock_free), check=False).returncode == 0
     finally:
         remote.run(state, 1, as_root(f"systemctl stop apt-daily-upgrade.service; rm -rf {drop_in}; "
