@@ -6,7 +6,8 @@ modules runs alone).
 
 `make test` runs the node tests with `--dist loadfile` (each file on one worker: its module fixture boots
 the nodes its tests share, in a subnet of its own); here the files in SHARING_MODULES count as one file,
-so they run on one worker and share one cluster. (pytest-xdist's own `--dist loadgroup` cannot do this
+so they run on one worker and share one cluster, and a worker takes its next file when one test of its
+current file is left (xdist's own rule is two). (pytest-xdist's own `--dist loadgroup` cannot do this
 under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads, so it groups nothing;
 pytest-dev/pytest-xdist#1386.) A test that breaks the cluster is marked `ends_demo_cluster` and runs
 after every other test.
