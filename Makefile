@@ -42,17 +42,16 @@ lint: $(STAMP)
 check: $(STAMP) lint
 	$(BIN)/pytest -q -m "not root and not slow" -n auto
 
-# Everything: first the tests that boot no node and are not slow, on every core (as `make check`),
-# then the slow ones and those on local nodes, NODE_TEST_WORKERS test files at a time (a file's tests
-# stay on one worker, as its module fixture boots the nodes they share, in a subnet of its own; the files
-# that share the session's demo cluster count as one: tests/local/demo_cluster.py). Node tests wait on
-# boots, Slurm and timeouts, so more workers than cores pay off: on 2 cores the CPU was idle for 14 %
-# of the slow half with two workers and 4 % with three (vmstat), and the slow half took 23.7 minutes
-# instead of 25.7-29 (clean clones of c2453f7 to afd2cd8).
-NODE_TEST_WORKERS ?= 3
+# Everything, in one session: TEST_WORKERS test files at a time, the ones that boot local nodes or are
+# slow first, then the others, which fill the cores while the last node files wait on their nodes
+# (tests/scheduling.py). A file's tests stay on one worker, as its module fixture boots the nodes they
+# share, in a subnet of its own; the files that share the session's demo cluster count as one file
+# (tests/local/demo_cluster.py). Node tests wait on boots, Slurm and timeouts, so more workers than
+# cores pay off: on 2 cores the CPU was idle for 14 % of the node tests with two workers and 4 % with
+# three (vmstat).
+TEST_WORKERS ?= 3
 test: $(STAMP) host-packages lint
-	$(BIN)/pytest -m "not root and not slow" -n auto
-	$(BIN)/pytest -m "root or slow" -n $(NODE_TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # On a machine with 1+ NVIDIA GPUs (docs/gpu-check.md): uses the Python that has CUDA torch (PYTHON=...),
 # not the CPU venv above. OUT=DIR for the results, GPU_CHECK_ARGS='--dry-run' etc. for the options.

@@ -2,7 +2,8 @@
 
 import contextlib
 
-pytest_plugins = ["tests.faults.summary", "tests.local.demo_cluster", "tests.local.leftovers"]
+pytest_plugins = ["tests.faults.summary", "tests.local.demo_cluster", "tests.local.leftovers",
+                  "tests.scheduling"]
 
 # torch._dynamo registers a stand-in for sys.intern when it is first imported. Ansible, which the
 # template tests import in this same process, replaces sys.intern with a callable object, after

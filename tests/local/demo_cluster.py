@@ -4,13 +4,9 @@ passwordless sudo: tests/local/conftest.py LOGIN_USER), made once per test sessi
 lifecycle, configure and monitoring tests (a fixture of the whole session, so also when one of those
 modules runs alone).
 
-`make test` runs the node tests with `--dist loadfile` (each file on one worker: its module fixture boots
-the nodes its tests share, in a subnet of its own); here the files in SHARING_MODULES count as one file,
-so they run on one worker and share one cluster, and a worker takes its next file when one test of its
-current file is left (xdist's own rule is two). (pytest-xdist's own `--dist loadgroup` cannot do this
-under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads, so it groups nothing;
-pytest-dev/pytest-xdist#1386.) A test that breaks the cluster is marked `ends_demo_cluster` and runs
-after every other test.
+Its tests run on one worker: under `make test`'s `--dist loadfile` the files in SHARING_MODULES are
+one unit of work (tests/scheduling.py). A test that breaks the cluster is marked `ends_demo_cluster` and
+runs after the cluster's other tests.
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from xdist.scheduler import LoadFileScheduling
 
 from tests.local.conftest import LOGIN_USER, fsdpctl, read_state, require_local_prerequisites, spec_file
 
@@ -88,30 +83,6 @@ def demo(demo_cluster: DemoCluster) -> DemoCluster:
     result = demo_cluster.result
     assert result.returncode == 0, f"demo failed:\n{result.stdout[-6000:]}\n{result.stderr[-3000:]}"
     return demo_cluster
-
-
-class _SharedClusterFileScheduling(LoadFileScheduling):
-    """pytest-xdist's loadfile, except that SHARING_MODULES are one unit of work."""
-
-    def _split_scope(self, nodeid: str) -> str:
-        path = super()._split_scope(nodeid)
-        return "demo-cluster" if path in SHARING_MODULES else path
-
-    def _reschedule(self, node) -> None:
-        # xdist hands a worker its next file once two of its tests are left to run. A node test takes
-        # minutes, so near the end a worker sat on a file it could not start for two tests' time while the
-        # others, finding nothing left, shut down. A worker runs a test only once it knows the next one
-        # (xdist's remote.run_one_test), so one test left is the latest the next file can come.
-        if self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) > 1:
-            return
-        super()._reschedule(node)
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    if config.getvalue("dist") == "loadfile":
-        return _SharedClusterFileScheduling(config, log)
-    return None
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,0 +1,95 @@
+"""How `make test` spreads the whole suite over its workers in one pytest session (`-n 3 --dist loadfile`).
+
+Each test file is one unit of work, run whole by one worker: a file that boots local nodes does so in a
+module fixture its tests share, in a subnet of its own. The files that share the session's demo cluster
+(tests/local/demo_cluster.py SHARING_MODULES) are one unit together, so one worker holds that cluster.
+
+The queue starts with the units that boot nodes or are marked slow, most tests first, and ends with the
+others. The node units take minutes each and wait on their nodes part of the time; the short units after
+them fill the cores until the last node unit ends. (Two sessions, the fast tests first, left a core
+idle at the end of each and collected the whole suite in five worker processes instead of three.)
+
+pytest-xdist sends the scheduler only test ids, so the workers put their collection in this order
+(`pytest_collection_modifyitems`) and the scheduler keeps it. (xdist's `--dist loadgroup` cannot group
+files under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads, so it groups
+nothing; pytest-dev/pytest-xdist#1386.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+from xdist.scheduler import LoadFileScheduling
+
+from tests.local.demo_cluster import SHARING_MODULES
+
+DEMO_CLUSTER_UNIT = "demo-cluster"
+HEAVY_MARKERS = ("root", "slow")
+"""A unit with a test marked so goes to the front of the queue."""
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or DEMO_CLUSTER_UNIT for the files sharing the
+    demo cluster."""
+    path = nodeid.split("::", 1)[0]
+    return DEMO_CLUSTER_UNIT if path in SHARING_MODULES else path
+
+
+def queue_order(tests: Iterable[tuple[str, bool]]) -> list[int]:
+    """The order to run `tests`, given as (test id, heavy) in collection order: the indices of the tests,
+    unit after unit; the units with a heavy test first, then by most tests, then by where they first
+    appear. Within a unit the tests keep their order (pytest's, by fixture)."""
+    tests = list(tests)
+    first: dict[str, int] = {}
+    size: dict[str, int] = {}
+    heavy: dict[str, bool] = {}
+    for index, (nodeid, is_heavy) in enumerate(tests):
+        unit = work_unit(nodeid)
+        first.setdefault(unit, index)
+        size[unit] = size.get(unit, 0) + 1
+        heavy[unit] = heavy.get(unit, False) or is_heavy
+
+    def key(index: int) -> tuple[bool, int, int]:
+        unit = work_unit(tests[index][0])
+        return not heavy[unit], -size[unit], first[unit]
+
+    return sorted(range(len(tests)), key=key)
+
+
+class SuiteScheduling(LoadFileScheduling):
+    """pytest-xdist's loadfile over `work_unit`s, in the order the workers collected them."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return work_unit(nodeid)
+
+    def _reschedule(self, node) -> None:
+        # xdist hands a worker its next file once two of its tests are left to run. A node test takes
+        # minutes, so near the end a worker sat on a file it could not start for two tests' time while the
+        # others, finding nothing left, shut down. A worker runs a test only once it knows the next one
+        # (xdist's remote.run_one_test), so one test left is the latest the next file can come.
+        if self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) > 1:
+            return
+        super()._reschedule(node)
+
+
+def _loadfile(config: pytest.Config) -> bool:
+    return config.getvalue("dist") == "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if not _loadfile(config):
+        return None
+    # The queue follows the collection (ordered below), not xdist's own order by number of tests.
+    config.option.loadscopereorder = False
+    return SuiteScheduling(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _loadfile(config):
+        return
+    heavy = [any(item.get_closest_marker(m) for m in HEAVY_MARKERS) for item in items]
+    order = queue_order(zip((item.nodeid for item in items), heavy, strict=True))
+    items[:] = [items[i] for i in order]
