@@ -4,8 +4,8 @@ Each test file is one unit of work, run whole by one worker: a file that boots l
 module fixture its tests share, in a subnet of its own. The files that share the session's demo cluster
 (tests/local/demo_cluster.py SHARING_MODULES) are one unit together, so one worker holds that cluster.
 
-The queue starts with the units that boot nodes or are marked slow, most tests first, and ends with the
-others. The node units take minutes each and wait on their nodes part of the time; the short units after
+The queue starts with the units that boot nodes or are marked slow, most such tests first, and ends with
+the others. The node units take minutes each and wait on their nodes part of the time; the short units after
 them fill the cores until the last node unit ends. (Two sessions, the fast tests first, left a core
 idle at the end of each and collected the whole suite in five worker processes instead of three.)
 
@@ -38,21 +38,23 @@ def work_unit(nodeid: str) -> str:
 
 def queue_order(tests: Iterable[tuple[str, bool]]) -> list[int]:
     """The order to run `tests`, given as (test id, heavy) in collection order: the indices of the tests,
-    unit after unit; the units with a heavy test first, then by most tests, then by where they first
-    appear. Within a unit the tests keep their order (pytest's, by fixture)."""
+    unit after unit. The units with heavy tests come first, most heavy tests first (a file's quick tests
+    cost next to nothing beside one that boots nodes, and many files hold both); then the others, most
+    tests first; ties by where the unit first appears. Within a unit the tests keep their order
+    (pytest's, by fixture)."""
     tests = list(tests)
     first: dict[str, int] = {}
     size: dict[str, int] = {}
-    heavy: dict[str, bool] = {}
+    heavy: dict[str, int] = {}
     for index, (nodeid, is_heavy) in enumerate(tests):
         unit = work_unit(nodeid)
         first.setdefault(unit, index)
         size[unit] = size.get(unit, 0) + 1
-        heavy[unit] = heavy.get(unit, False) or is_heavy
+        heavy[unit] = heavy.get(unit, 0) + is_heavy
 
-    def key(index: int) -> tuple[bool, int, int]:
+    def key(index: int) -> tuple[int, int, int]:
         unit = work_unit(tests[index][0])
-        return not heavy[unit], -size[unit], first[unit]
+        return -heavy[unit], -size[unit], first[unit]
 
     return sorted(range(len(tests)), key=key)
 

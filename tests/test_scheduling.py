@@ -22,23 +22,23 @@ def test_every_sharing_module_exists():
     assert [m for m in SHARING_MODULES if not (REPO / m).is_file()] == []
 
 
-def test_heavy_units_come_first_by_size_and_every_unit_stays_together_in_its_own_order():
+def test_heavy_units_come_first_by_heavy_tests_and_every_unit_stays_together_in_its_own_order():
     lifecycle, configure = SHARING_MODULES[:2]
     tests = [
         ("tests/a_fast.py::t1", False), ("tests/a_fast.py::t2", False), ("tests/a_fast.py::t3", False),
         (f"{lifecycle}::demo", True),
-        ("tests/b_nodes.py::boot", True), ("tests/b_nodes.py::check", False),
+        ("tests/b_mixed.py::boot", True), *((f"tests/b_mixed.py::quick{i}", False) for i in range(4)),
         ("tests/c_fast.py::t1", False),
         (f"{configure}::second_run", True), (f"{configure}::check_mode", True),
         ("tests/d_slow.py::train", True), ("tests/d_slow.py::resume", True),
     ]
     order = [tests[i][0] for i in queue_order(tests)]
     assert order == [
-        # three tests in the demo cluster's files, in their order, though another file came between them
+        # three heavy tests in the demo cluster's files, in their order, though other files came between
         f"{lifecycle}::demo", f"{configure}::second_run", f"{configure}::check_mode",
-        # two tests each: the first to appear first; one heavy test makes the whole file heavy
-        "tests/b_nodes.py::boot", "tests/b_nodes.py::check",
+        # two heavy tests, before a file of five with one: what its quick tests cost does not count
         "tests/d_slow.py::train", "tests/d_slow.py::resume",
+        "tests/b_mixed.py::boot", *(f"tests/b_mixed.py::quick{i}" for i in range(4)),
         # then the files with no heavy test, most tests first
         "tests/a_fast.py::t1", "tests/a_fast.py::t2", "tests/a_fast.py::t3",
         "tests/c_fast.py::t1",
@@ -55,6 +55,6 @@ def test_the_suite_collected_for_loadfile_keeps_each_unit_together_and_the_heavy
     units = [work_unit(line) for line in collected.stdout.splitlines() if "::" in line]
     runs = [unit for i, unit in enumerate(units) if i == 0 or units[i - 1] != unit]
     assert len(runs) == len(set(runs)), runs  # no unit comes back after another began
-    assert runs[0] == DEMO_CLUSTER_UNIT  # the most tests of the heavy units
+    assert runs[0] == DEMO_CLUSTER_UNIT  # the most heavy tests
     assert runs.index("tests/slurm/test_slurm_nodes.py") < runs.index("tests/trainer/test_data.py")
     assert runs.index("tests/slurm/test_power_saving.py") < runs.index("tests/test_scheduling.py")
