@@ -75,8 +75,21 @@ class SuiteScheduling(LoadFileScheduling):
         super()._reschedule(node)
 
 
+_SESSION_DIST = "fsdp_session_dist"
+"""The key of the session's `--dist` mode in what xdist hands each worker (`workerinput`)."""
+
+
 def _loadfile(config: pytest.Config) -> bool:
-    return config.getvalue("dist") == "loadfile"
+    """Whether the session distributes by file: on a worker, as the controller said (xdist sets a
+    worker's own `dist` option to "no")."""
+    workerinput = getattr(config, "workerinput", None)
+    dist = config.getvalue("dist") if workerinput is None else workerinput.get(_SESSION_DIST)
+    return dist == "loadfile"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput[_SESSION_DIST] = node.config.getvalue("dist")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -4,8 +4,10 @@ whole `pytest --collect-only` in that mode keeps every unit together."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.local.conftest import REPO
 from tests.local.demo_cluster import SHARING_MODULES
@@ -58,3 +60,27 @@ def test_the_suite_collected_for_loadfile_keeps_each_unit_together_and_the_heavy
     assert runs[0] == DEMO_CLUSTER_UNIT  # the most heavy tests
     assert runs.index("tests/slurm/test_slurm_nodes.py") < runs.index("tests/trainer/test_data.py")
     assert runs.index("tests/slurm/test_power_saving.py") < runs.index("tests/test_scheduling.py")
+
+
+def test_an_xdist_worker_runs_the_units_in_the_queue_order(tmp_path: Path):
+    """Through pytest-xdist itself (whose workers see `dist` as "no"): one worker takes the units in
+    the queue's order, the file with the most heavy tests first."""
+    ran = tmp_path / "ran.txt"
+    files = {"test_a_fast.py": ["", "", ""], "test_b_mixed.py": ["slow", "", ""],
+             "test_c_nodes.py": ["root", "root"]}
+    for name, marks in files.items():
+        (tmp_path / name).write_text("import os, pytest\n" + "".join(
+            (f"@pytest.mark.{mark}\n" if mark else "")
+            + f"def test_{i}(request):\n"
+              f"    with open(os.environ['RAN'], 'a') as f:\n"
+              f"        f.write(request.node.nodeid + '\\n')\n"
+            for i, mark in enumerate(marks)))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "tests.scheduling", "-p", "no:cacheprovider", "-q", "-n", "1",
+         "--dist", "loadfile", "-o", "markers=root\nslow", str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "RAN": str(ran), "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [line.split("::")[0] for line in ran.read_text().splitlines()] == [
+        "test_c_nodes.py", "test_c_nodes.py", "test_b_mixed.py", "test_b_mixed.py", "test_b_mixed.py",
+        "test_a_fast.py", "test_a_fast.py", "test_a_fast.py"]
