@@ -36,7 +36,7 @@ from pathlib import Path
 from fsdpctl.console import Out
 from fsdpctl.errors import CommandError, StateError, UsageError
 from fsdpctl.processes import processes, signal_all
-from fsdpctl.remote import close_control_masters, run_all, ssh_options
+from fsdpctl.remote import SSH_FAILED, close_control_masters, run_all, ssh_options
 from fsdpctl.scripts import render_script
 from fsdpctl.state import ClusterState, LocalNode, LocalRecord, Node, SshSettings, home_of
 from fsdpctl.targets.local import keeper, rootfs
@@ -361,13 +361,27 @@ def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, dead
                 raise CommandError(f"{node.name}: sshd on {node.address}:22 did not answer within "
                                    f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}") from None
             time.sleep(0.2)
-    remaining = max(5.0, deadline - time.monotonic())
     argv = ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address,
             render_script("targets/local/templates/boot_settle.sh.j2")]
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=remaining)
-    except subprocess.TimeoutExpired:
-        raise CommandError(f"{node.name}: systemd did not finish booting within {BOOT_TIMEOUT_S} s") from None
+    while True:
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True,
+                                    timeout=max(5.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise CommandError(f"{node.name}: systemd did not finish booting within "
+                               f"{BOOT_TIMEOUT_S} s") from None
+        # sshd listens before logins are allowed: until systemd-user-sessions removes /run/nologin,
+        # pam_nologin ends the session of every user but root, and ssh exits 255 saying nothing (at
+        # LogLevel=ERROR). Seen with the login user `ubuntu`, two nodes booting on a loaded host.
+        if result.returncode != SSH_FAILED:
+            break
+        stopped = proc.poll() is not None
+        if stopped or time.monotonic() > deadline:
+            why = result.stderr.strip() or "the connection was closed before the command ran"
+            until = "the node stopped" if stopped else f"{BOOT_TIMEOUT_S} s had passed"
+            raise CommandError(f"{node.name}: ssh as {ssh.user} to {node.address} failed until {until}: "
+                               f"{why}\n{_node_log(node)}")
+        time.sleep(0.5)
     lines = result.stdout.split("\n", 1)
     system_state = lines[0].strip()
     if system_state not in ("running", "degraded"):
