@@ -80,6 +80,7 @@ def run_demo(spec_file: Path, *, nodes: int = 2, keep: bool = False, smoke_steps
             timings.append(_timed("down", lambda: api.down(name, yes=True)))
             if timings[-1].exit_code != 0 and failed is None:
                 failed = "down"
+        still_up = state.exists()  # a failed `up` removes what it made
 
     _banner(f"summary ({time.monotonic() - started:.0f} s)")
     for timing in timings:
@@ -87,10 +88,10 @@ def run_demo(spec_file: Path, *, nodes: int = 2, keep: bool = False, smoke_steps
         say(f"  {timing.stage:<10} {outcome:<16} {timing.seconds:6.1f} s")
     if report:
         say(f"  smoke report: {report}/report.html (and report.json next to it; kept after down)")
-    if keep:
+    if still_up:
         say(f"  the cluster is still up: `fsdpctl status --cluster {name}`; "
             f"tear it down with `fsdpctl down --cluster {name}`")
     if failed:
         raise CommandError(f"demo failed at `{failed}` (its error is above)."
-                           + ("" if keep else " The cluster was torn down.")
+                           + (" The cluster is still up." if still_up else " Nothing is left up.")
                            + " Fix the cause and rerun `fsdpctl demo`.")

@@ -89,12 +89,27 @@ def test_the_demo_stops_at_the_first_failed_stage_and_still_tears_down(home, mon
 
     for verb, fake in (("up", up), ("configure", configure), ("down", down)):
         monkeypatch.setattr(api, verb, fake)
-    with pytest.raises(CommandError, match=r"demo failed at `configure`.*torn down"):
+    with pytest.raises(CommandError, match=r"demo failed at `configure`.*Nothing is left up"):
         demo.run_demo(spec, nodes=2)
     assert called == ["up local 2", f"configure {name}", f"down {name} yes=True"]
     captured = capsys.readouterr()
     assert "fsdpctl configure: the playbook failed" in captured.err
     assert "configure  FAILED (exit 1)" in captured.out and "down       ok" in captured.out
+
+
+def test_a_kept_demo_whose_up_failed_says_nothing_is_left_up(home, monkeypatch, capsys):
+    # A failed `up` removes what it made; with --keep the demo must not then point at a cluster.
+    from fsdpctl import demo
+    from fsdpctl.errors import CommandError
+
+    def up(spec_file, *, target, nodes):
+        raise CommandError("demo-node1: boot ended in state 'maintenance'; everything `up` made was removed")
+
+    monkeypatch.setattr(api, "up", up)
+    with pytest.raises(CommandError, match=r"demo failed at `up`.*Nothing is left up"):
+        demo.run_demo(REPO / "examples" / "local.yaml", nodes=2, keep=True)
+    out = capsys.readouterr().out
+    assert "up         FAILED (exit 1)" in out and "still up" not in out
 
 
 def test_status_and_list_return_what_the_cli_prints(home, tmp_path, capsys):
