@@ -21,6 +21,7 @@ here directly (a handful of gauges; prometheus-client is not needed for that).
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import time
@@ -59,7 +60,7 @@ class RankMetrics:
         owner = os.environ.get("SLURM_JOB_ID") or self.job  # one file per rank for every attempt of a job
         name = f"fsdp-trainer-{_safe(owner)}-rank{runtime.rank}.prom"
         self.path = Path(cfg.prometheus_dir) / name if cfg.prometheus_dir else None
-        self._leaked: list[bytearray] = []
+        self._leaked: list[mmap.mmap] = []
 
     @classmethod
     def create(cls, cfg: MetricsConfig, runtime: Runtime) -> RankMetrics | None:
@@ -78,11 +79,18 @@ class RankMetrics:
         """After every step, with the records MetricsLogger.log_step wrote for it (none between log
         intervals: the file is rewritten at metrics.log_interval, from the newest record)."""
         if self.cfg.fault_leak_mib_per_step and self.runtime.rank == self.cfg.fault_leak_rank:
-            # repeating a non-zero byte writes every page (a zeroed buffer may stay unbacked), and no
-            # temporary is freed back for the next one to reuse: the resident set grows by this much
-            self._leaked.append(bytearray(b"\1") * int(self.cfg.fault_leak_mib_per_step * MIB))
+            self._leak(max(mmap.PAGESIZE, int(self.cfg.fault_leak_mib_per_step * MIB)))
         if records:
             self.update(records[-1])
+
+    def _leak(self, size: int) -> None:
+        """Keep `size` more bytes resident: fresh pages from the kernel, each written once (an unwritten
+        page stays unbacked). Memory from malloc could be a chunk this process freed earlier and that is
+        still resident, which grows nothing (seen in a test process that had run other tests first)."""
+        block = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
+        self._leaked.append(block)
 
     def update(self, record: StepRecord) -> None:
         """`record` is one of MetricsLogger.log_step's lines (global figures, this rank's memory)."""
@@ -112,6 +120,8 @@ class RankMetrics:
 
     def close(self) -> None:
         """The job is over: its series must not stay exported as if it were running."""
+        for block in self._leaked:
+            block.close()
         self._leaked.clear()
         if self.path is not None:
             self.path.unlink(missing_ok=True)
