@@ -78,7 +78,8 @@ def test_an_xdist_worker_runs_the_units_in_the_queue_order(tmp_path: Path):
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "tests.scheduling", "-p", "no:cacheprovider", "-q", "-n", "1",
          "--dist", "loadfile", "-o", "markers=root\nslow", str(tmp_path)],
-        cwd=tmp_path, env={**os.environ, "RAN": str(ran), "PYTHONPATH": str(REPO)},
+        cwd=tmp_path, env={**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "RAN": str(ran),
+                           "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert [line.split("::")[0] for line in ran.read_text().splitlines()] == [
