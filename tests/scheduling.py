@@ -10,7 +10,8 @@ them fill the cores until the last node unit ends. (Two sessions, the fast tests
 idle at the end of each and collected the whole suite in five worker processes instead of three.)
 
 pytest-xdist sends the scheduler only test ids, so the workers put their collection in this order
-(`pytest_collection_modifyitems`) and the scheduler keeps it. (xdist's `--dist loadgroup` cannot group
+(`pytest_collection_modifyitems`; the controller tells them the session's `--dist`, since xdist sets
+their own to "no") and the scheduler keeps it. (xdist's `--dist loadgroup` cannot group
 files under pytest 9: it renames a test's `_nodeid`, which pytest 9 no longer reads, so it groups
 nothing; pytest-dev/pytest-xdist#1386.)
 """
@@ -42,21 +43,17 @@ def queue_order(tests: Iterable[tuple[str, bool]]) -> list[int]:
     cost next to nothing beside one that boots nodes, and many files hold both); then the others, most
     tests first; ties by where the unit first appears. Within a unit the tests keep their order
     (pytest's, by fixture)."""
-    tests = list(tests)
+    units: list[str] = []
     first: dict[str, int] = {}
     size: dict[str, int] = {}
     heavy: dict[str, int] = {}
     for index, (nodeid, is_heavy) in enumerate(tests):
         unit = work_unit(nodeid)
+        units.append(unit)
         first.setdefault(unit, index)
         size[unit] = size.get(unit, 0) + 1
         heavy[unit] = heavy.get(unit, 0) + is_heavy
-
-    def key(index: int) -> tuple[int, int, int]:
-        unit = work_unit(tests[index][0])
-        return -heavy[unit], -size[unit], first[unit]
-
-    return sorted(range(len(tests)), key=key)
+    return sorted(range(len(units)), key=lambda i: (-heavy[units[i]], -size[units[i]], first[units[i]]))
 
 
 class SuiteScheduling(LoadFileScheduling):
