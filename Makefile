@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 TORCH_VERSION ?= 2.13.0
-HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 iputils-ping rsync shellcheck
+HOST_PACKAGES := systemd-container debootstrap zstd openssh-client iproute2 util-linux iputils-ping rsync shellcheck
 
 .PHONY: demo plan check test lint host-packages clean gpu-check
 

@@ -179,7 +179,7 @@ case "$1" in
 esac""")
     script = render_script("targets/local/templates/boot_settle.sh.j2")
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env=env)
-    assert proc.stdout == "running\n"
+    assert proc.stdout == "running\na.service b.service\n"  # the state, what was started again, none failed
     assert (tmp_path / "calls").read_text().splitlines() == [
         "is-system-running --wait", "--failed --no-legend --plain", "reset-failed",
         "start a.service b.service", "is-system-running", "--failed --no-legend --plain"]

@@ -20,7 +20,7 @@ def test_not_root_is_refused_with_the_fix():
 
 
 def test_missing_commands_name_the_package_and_the_apt_get_command():
-    present = {"ssh", "ip", "tar", "mount", "umount", "ssh-keygen"}
+    present = {"ssh", "ip", "tar", "mount", "umount", "ssh-keygen", "nsenter"}
     with pytest.raises(CommandError) as err:
         require_host("fsdpctl up --target local", euid=0,
                      which=lambda cmd: f"/usr/bin/{cmd}" if cmd in present else None)

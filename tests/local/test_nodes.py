@@ -199,6 +199,36 @@ def test_a_node_rebooted_from_inside_comes_back_as_a_machine_does(cluster, state
     assert "every node answers over SSH" in fsdpctl(home, "status").stdout
 
 
+# A drop-in that fails the unit's first start in each boot (its mark lives in the node's /run).
+FAIL_ONCE = """[Service]
+ExecStartPre=/bin/sh -c 'test -e /run/failed-once || { touch /run/failed-once; exit 1; }'
+"""
+
+
+def test_a_login_blocking_unit_that_fails_while_booting_is_started_again_and_the_user_gets_in(
+        prerequisites, tmp_path):
+    """systemd-user-sessions failed once on a loaded CI host: /run/nologin then stays, and pam_nologin
+    refuses every login but root's. `up` looks at the boot as root from the host, starts the unit again
+    and then logs in as the login user (`ubuntu`, with no way to repair the node itself)."""
+    layer = tmp_path / "layer"
+    drop_in = layer / "etc/systemd/system/systemd-user-sessions.service.d/fail-once.conf"
+    drop_in.parent.mkdir(parents=True)
+    drop_in.write_text(FAIL_ONCE)
+    home = tmp_path / "home"
+    name = "lnt-login"
+    spec = spec_file(tmp_path, name, node_count=1, local={
+        "subnet_cidr": "198.18.8.0/24", "login_user": "ubuntu"})
+    try:
+        up = fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
+        assert (f"local: {name}-node0: systemd-user-sessions.service failed while booting and was started "
+                "again") in up.stdout
+        logged_in = fsdpctl(home, "ssh", "0", "--cluster", name, "--",
+                            "id -un; ls /run/failed-once; systemctl is-system-running")
+        assert logged_in.stdout.split() == ["ubuntu", "/run/failed-once", "running"]
+    finally:
+        fsdpctl(home, "down", "--yes", "--cluster", name, check=False)
+
+
 def test_up_on_a_broken_cluster_is_a_clear_error(cluster):
     """Kills node1's nspawn: its container's init lives on, orphaned, for `down` to find (next test)."""
     home, spec = cluster

@@ -19,6 +19,7 @@ REQUIRED_COMMANDS = {
     "ip": "iproute2",
     "mount": "mount",
     "umount": "mount",
+    "nsenter": "util-linux",
 }
 
 

@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -52,6 +51,8 @@ KEEPER_EXIT_S = 2
 NSPAWN_RUNTIME_DIRS = ("/run/systemd/nspawn/propagate", "/run/systemd/nspawn/unix-export")
 NSPAWN_LOCKS_DIR = "/run/systemd/nspawn/locks"
 LAYER_ENV = "FSDPCTL_LOCAL_NODE_LAYER"
+# The environment of what fsdpctl runs inside a node from the host (not the operator's PATH or locale).
+NODE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 # Every bridge `up` makes is named fsdp<6 hex digits>br and carries this alias + its state directory.
 BRIDGE_NAME = re.compile(r"fsdp[0-9a-f]{6}br")
 BRIDGE_ALIAS_PREFIX = "fsdpctl:"
@@ -349,47 +350,103 @@ def _attach_veth(node: LocalNode, plan: LocalRecord, proc: subprocess.Popen, dea
 
 def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, deadline: float,
                  progress: Out) -> None:
-    while True:
+    """Until the node's systemd has finished booting (what failed on the way started once more) and the
+    login user can log in over SSH."""
+    init_pid = _wait_for_init(node, proc, deadline)
+    try:
+        settled = _in_node(init_pid, render_script("targets/local/templates/boot_settle.sh.j2"),
+                           timeout=max(5.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise CommandError(f"{node.name}: systemd did not finish booting within {BOOT_TIMEOUT_S} s; its "
+                           f"jobs still waiting: {_node_view(init_pid, 'systemctl list-jobs --no-legend')}"
+                           ) from None
+    lines = settled.stdout.splitlines()
+    system_state = lines[0].strip() if lines else ""
+    if system_state not in ("running", "degraded"):
+        raise CommandError(f"{node.name}: boot ended in state {system_state!r}: "
+                           f"{settled.stderr.strip() or 'no output'}\n{_node_log(node)}")
+    restarted = lines[1].split() if len(lines) > 1 else []
+    still_failed = [unit for unit in lines[2:] if unit.strip()]
+    if restarted:
+        progress(f"local: {node.name}: {', '.join(restarted)} failed while booting and "
+                 f"{'was' if len(restarted) == 1 else 'were'} started again")
+    if system_state == "degraded":
+        progress(f"local: {node.name} booted degraded; failed units: {', '.join(still_failed) or '?'}")
+    _wait_for_login(node, ssh, proc, init_pid, deadline)
+
+
+def _wait_for_init(node: LocalNode, proc: subprocess.Popen, deadline: float) -> int:
+    """Host pid of the node's systemd once it listens on its private socket (systemctl's way in)."""
+    while (pid := _init_pid(node)) is None or not Path(f"/proc/{pid}/root/run/systemd/private").exists():
         if proc.poll() is not None:
             raise CommandError(f"{node.name}: the node stopped while booting (exit {proc.returncode}):\n"
                                f"{_node_log(node)}")
-        try:
-            socket.create_connection((node.address, 22), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise CommandError(f"{node.name}: sshd on {node.address}:22 did not answer within "
-                                   f"{BOOT_TIMEOUT_S} s:\n{_node_log(node)}") from None
-            time.sleep(0.2)
-    argv = ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address,
-            render_script("targets/local/templates/boot_settle.sh.j2")]
+        if time.monotonic() > deadline:
+            raise CommandError(f"{node.name}: its systemd did not start within {BOOT_TIMEOUT_S} s:\n"
+                               f"{_node_log(node)}")
+        time.sleep(0.1)
+    return pid
+
+
+def _init_pid(node: LocalNode) -> int | None:
+    """Host pid of the node's systemd: of the processes nspawn gave the node's container_uuid, the one
+    that is PID 1 in its own namespace."""
+    marker = f"\0container_uuid={node.container_uuid}\0".encode()
+    for pid, _argv, environ in processes(with_environ=True):
+        if marker in b"\0" + environ:
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+            if nspids[-1:] == ["1"]:
+                return pid
+    return None
+
+
+def _in_node(init_pid: int, script: str, *, timeout: float) -> subprocess.CompletedProcess:
+    """`script` run by root inside the node whose systemd is `init_pid`, in its namespaces: the host's way
+    in without a login, which works before the node lets users log in."""
+    return subprocess.run(["nsenter", f"--target={init_pid}", "--mount", "--uts", "--ipc", "--net", "--pid",
+                           "--root", "--wd", "/bin/sh", "-c", script],
+                          env=NODE_ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def _node_view(init_pid: int, command: str) -> str:
+    """What `command` prints in the node, for an error message; never raises."""
+    try:
+        done = _in_node(init_pid, command, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(`{command}` in the node failed: {e})"
+    return (done.stdout.strip() or done.stderr.strip() or "nothing")[-2000:]
+
+
+def _wait_for_login(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, init_pid: int,
+                    deadline: float) -> None:
+    """Until `ssh.user` can run a command on the node."""
+    argv = ["ssh", *ssh_options(ssh), "-l", ssh.user, node.address, "true"]
     while True:
         try:
             result = subprocess.run(argv, capture_output=True, text=True,
                                     timeout=max(5.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            raise CommandError(f"{node.name}: systemd did not finish booting within "
-                               f"{BOOT_TIMEOUT_S} s") from None
-        # sshd listens before logins are allowed: until systemd-user-sessions removes /run/nologin,
-        # pam_nologin ends the session of every user but root, and ssh exits 255 saying nothing (at
-        # LogLevel=ERROR). Seen with the login user `ubuntu`, two nodes booting on a loaded host.
-        if result.returncode != SSH_FAILED:
-            break
+            result = subprocess.CompletedProcess(argv, SSH_FAILED, "", "ssh did not return")
+        if result.returncode == 0:
+            return
+        if result.returncode != SSH_FAILED:  # logged in, and the login shell failed `true`
+            raise CommandError(f"{node.name}: ssh as {ssh.user} to {node.address} logs in, but a command "
+                               f"exits {result.returncode} there: {result.stderr.strip() or 'no output'}")
+        # ssh exits 255 when the session never began: sshd not listening yet, or pam_nologin ending the
+        # session of every user but root while /run/nologin exists (and saying nothing at LogLevel=ERROR).
         stopped = proc.poll() is not None
         if stopped or time.monotonic() > deadline:
             why = result.stderr.strip() or "the connection was closed before the command ran"
             until = "the node stopped" if stopped else f"{BOOT_TIMEOUT_S} s had passed"
+            inside = "" if stopped else "\nIn the node: " + _node_view(
+                init_pid, "ls /run/nologin /etc/nologin 2>/dev/null; systemctl --failed --no-legend --plain")
             raise CommandError(f"{node.name}: ssh as {ssh.user} to {node.address} failed until {until}: "
-                               f"{why}\n{_node_log(node)}")
+                               f"{why}{inside}\n{_node_log(node)}")
         time.sleep(0.5)
-    lines = result.stdout.split("\n", 1)
-    system_state = lines[0].strip()
-    if system_state not in ("running", "degraded"):
-        raise CommandError(f"{node.name}: boot ended in state "
-                           f"{system_state!r}: {result.stderr.strip()}")
-    if system_state == "degraded":
-        failed = lines[1].strip() if len(lines) > 1 else "?"
-        progress(f"local: {node.name} booted degraded; failed units: {failed}")
 
 
 # ---------------------------------------------------------------------------------------- teardown
