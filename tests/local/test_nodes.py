@@ -1,5 +1,6 @@
 """Two real local nodes, booted once for the module: identity, network, isolation, SSH helpers, the
-lifecycle commands around them, and a teardown that leaves nothing behind."""
+lifecycle commands around them, and a teardown that leaves nothing behind; and a one-node cluster of its
+own whose login-blocking unit fails while it boots."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import pytest
 from fsdpctl import remote
 from fsdpctl.processes import alive
 from fsdpctl.state import cluster_state
-from tests.local.conftest import fsdpctl, host_leftovers, read_state, reboot, spec_file
+from tests.local.conftest import LOGIN_USER, fsdpctl, host_leftovers, read_state, reboot, spec_file
 
 pytestmark = pytest.mark.root
 
 SUBNET = "198.18.6.0/24"  # this module's own subnet
+LOGIN_SUBNET = "198.18.8.0/24"  # its one-node cluster's
 
 NAME = "lnt-nodes"
 
@@ -217,14 +219,14 @@ def test_a_login_blocking_unit_that_fails_while_booting_is_started_again_and_the
     home = tmp_path / "home"
     name = "lnt-login"
     spec = spec_file(tmp_path, name, node_count=1, local={
-        "subnet_cidr": "198.18.8.0/24", "login_user": "ubuntu"})
+        "subnet_cidr": LOGIN_SUBNET, "login_user": LOGIN_USER})
     try:
         up = fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
         assert (f"local: {name}-node0: systemd-user-sessions.service failed while booting and was started "
                 "again") in up.stdout
         logged_in = fsdpctl(home, "ssh", "0", "--cluster", name, "--",
                             "id -un; ls /run/failed-once; systemctl is-system-running")
-        assert logged_in.stdout.split() == ["ubuntu", "/run/failed-once", "running"]
+        assert logged_in.stdout.split() == [LOGIN_USER, "/run/failed-once", "running"]
     finally:
         fsdpctl(home, "down", "--yes", "--cluster", name, check=False)
 
