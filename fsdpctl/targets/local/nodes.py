@@ -388,12 +388,16 @@ def _wait_for_init(node: LocalNode, proc: subprocess.Popen, deadline: float) -> 
     return pid
 
 
+def _has_container_uuid(environ: bytes, node: LocalNode) -> bool:
+    """Whether a process's raw environment block holds the container_uuid nspawn gives `node`'s init."""
+    return f"\0container_uuid={node.container_uuid}\0".encode() in b"\0" + environ
+
+
 def _init_pid(node: LocalNode) -> int | None:
     """Host pid of the node's systemd: of the processes nspawn gave the node's container_uuid, the one
     that is PID 1 in its own namespace."""
-    marker = f"\0container_uuid={node.container_uuid}\0".encode()
     for pid, _argv, environ in processes(with_environ=True):
-        if marker in b"\0" + environ:
+        if _has_container_uuid(environ, node):
             try:
                 status = Path(f"/proc/{pid}/status").read_text()
             except OSError:
@@ -455,11 +459,11 @@ def _processes_of(plan: LocalRecord) -> dict[int, str]:
     directory on their command lines) and of their containers' init (by its container_uuid: it
     outlives a SIGKILLed nspawn); pid -> command."""
     names = [f" {n.root} " for n in plan.nodes] + [f" {Path(n.dir) / 'keeper.json'} " for n in plan.nodes]
-    uuids = [f"\0container_uuid={n.container_uuid}\0".encode() for n in plan.nodes]
     found = {}
     for pid, argv, environ in processes(with_environ=True):
         cmdline = " ".join(argv)
-        if any(name in f" {cmdline} " for name in names) or any(u in b"\0" + environ for u in uuids):
+        if any(name in f" {cmdline} " for name in names) or any(_has_container_uuid(environ, n)
+                                                                 for n in plan.nodes):
             found[pid] = cmdline
     return found
 
