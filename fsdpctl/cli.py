@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from fsdpctl import __version__
+from fsdpctl.checkout import ANSIBLE_STRATEGIES, DEFAULT_ANSIBLE_STRATEGY
 from fsdpctl.console import error, say
 from fsdpctl.errors import (
     EXIT_BROKEN_PIPE,
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra Ansible variable (repeatable)")
     sp.add_argument("--check", action="store_true",
                     help="Ansible's check mode: report what would change, change nothing on the nodes")
+    sp.add_argument("--strategy", choices=ANSIBLE_STRATEGIES, default=DEFAULT_ANSIBLE_STRATEGY,
+                    help="how Ansible runs the tasks: Mitogen for Ansible (default: about half the CPU) or "
+                         "Ansible's own linear strategy")
 
     sp = cmd("inventory", "Print the cluster's Ansible inventory (usable with ansible-playbook -i).")
     sp.add_argument("--format", choices=["ini", "json"], default="ini", help="inventory format")

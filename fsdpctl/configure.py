@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import importlib.util
 import os
 import shutil
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 import yaml
 
 from fsdpctl import state as state_mod
-from fsdpctl.checkout import ANSIBLE_DIR
+from fsdpctl.checkout import ANSIBLE_DIR, ANSIBLE_STRATEGIES, DEFAULT_ANSIBLE_STRATEGY
 from fsdpctl.console import Out, line_buffered, say
 from fsdpctl.errors import EXIT_OK, CommandError, Interrupted, UsageError
 from fsdpctl.inventory import write_inventory
@@ -169,6 +170,20 @@ def _control_dir(run_dir: Path) -> Iterator[Path]:
         shutil.rmtree(short, ignore_errors=True)
 
 
+def strategy_environment(strategy: str) -> dict[str, str]:
+    """Ansible's settings for the strategy (ANSIBLE_STRATEGIES). Mitogen's strategy plugins ship inside its
+    package, so their directory is wherever pip put it."""
+    if strategy not in ANSIBLE_STRATEGIES:
+        raise UsageError(f"--strategy {strategy!r} is not one of {', '.join(ANSIBLE_STRATEGIES)}")
+    if strategy == "linear":
+        return {"ANSIBLE_STRATEGY": "linear"}
+    spec = importlib.util.find_spec("ansible_mitogen")
+    if spec is None or not spec.submodule_search_locations:  # the CLI names the extra that installs it
+        raise ModuleNotFoundError("No module named 'ansible_mitogen'", name="ansible_mitogen")
+    plugins = Path(spec.submodule_search_locations[0]) / "plugins" / "strategy"
+    return {"ANSIBLE_STRATEGY_PLUGINS": str(plugins), "ANSIBLE_STRATEGY": "mitogen_linear"}
+
+
 def orphaned_playbooks(state: ClusterState) -> list[int]:
     """ansible-playbook processes (and their forked workers) running on this cluster's inventory.
     Called under the cluster's operation lock, so any there is belongs to a configure that was killed:
@@ -188,12 +203,14 @@ def stop_orphaned_playbooks(state: ClusterState, out: Out = say) -> None:
 
 def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, limit: str | None = None,
                   extra_vars: dict[str, Any] | None = None, check: bool = False,
+                  strategy: str = DEFAULT_ANSIBLE_STRATEGY,
                   out: Out = say) -> ConfigureResult:
     """Run the playbook on the cluster (excluded nodes left out) and return what happened per host;
     with `check`, Ansible's check mode: what would change, nothing changed on the nodes, and the run is
-    not recorded as the cluster's last configure."""
+    not recorded as the cluster's last configure; `strategy`: one of ANSIBLE_STRATEGIES."""
     import ansible_runner
 
+    strategy_envvars = strategy_environment(strategy)
     playbook = ANSIBLE_DIR / PLAYBOOK
     if not playbook.exists():
         raise UsageError(f"{playbook} does not exist: fsdpctl configure needs the repository's ansible/ "
@@ -219,6 +236,7 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
             "ANSIBLE_HOST_KEY_CHECKING": "True",
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_RETRY_FILES_ENABLED": "False",
+            **strategy_envvars,
         }
         try:
             runner = ansible_runner.run(
@@ -274,16 +292,20 @@ def print_summary(result: ConfigureResult, out: Out = say) -> None:
 
 
 def configure(cluster: str | None = None, *, tags: str | list[str] | None = None, limit: str | None = None,
-              extra_vars: Mapping[str, Any] | None = None, check: bool = False) -> ConfigureResult:
+              extra_vars: Mapping[str, Any] | None = None, check: bool = False,
+              strategy: str = DEFAULT_ANSIBLE_STRATEGY) -> ConfigureResult:
     """Run ansible/site.yml on the cluster's nodes (default: the cluster brought up last), printing a
     line per task result and a recap per host; `tags` and `limit` as ansible-playbook's; `check`:
-    Ansible's check mode, a preview that reports what would change and changes nothing. Raises
+    Ansible's check mode, a preview that reports what would change and changes nothing; `strategy`: how
+    Ansible runs the tasks (ANSIBLE_STRATEGIES: Mitogen's, or Ansible's own `linear`). Raises
     CommandError when the playbook fails (the run is idempotent: run it again after the fix) and
     Interrupted when Ctrl-C or SIGTERM cancels it."""
     line_buffered()
+    strategy_environment(strategy)  # a strategy that cannot run is said before the cluster is touched
     with state_mod.cluster_operation(cluster, "configure") as (state, record, spec), \
             nodes_held_up(record, spec, say, what="configure"):
-        result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}), check=check)
+        result = run_configure(state, tags=tags, limit=limit, extra_vars=dict(extra_vars or {}), check=check,
+                               strategy=strategy)
     print_summary(result)
     if result.canceled:
         raise Interrupted(f"configure canceled; the nodes may be partly configured. Run `fsdpctl configure` "
@@ -308,5 +330,5 @@ def configure(cluster: str | None = None, *, tags: str | list[str] | None = None
 
 def cmd_configure(args: Namespace) -> int:
     configure(args.cluster, tags=args.tags, limit=args.limit, extra_vars=parse_extra_vars(args.extra_vars),
-              check=args.check)
+              check=args.check, strategy=args.strategy)
     return EXIT_OK

@@ -56,7 +56,8 @@ class MissingPackage(UsageError):
 
 PROJECT_PACKAGES = ("fsdpctl", "infra", "trainer")
 # Modules that come with a package the extras list rather than with one of their own name.
-_INSTALLED_WITH = {"botocore": "boto3", "s3transfer": "boto3", "mlflow": "mlflow-skinny", "yaml": "PyYAML"}
+_INSTALLED_WITH = {"botocore": "boto3", "s3transfer": "boto3", "mlflow": "mlflow-skinny", "yaml": "PyYAML",
+                   "ansible_mitogen": "mitogen"}
 
 
 def _normalized(name: str) -> str:

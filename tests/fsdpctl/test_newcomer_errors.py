@@ -90,6 +90,11 @@ def test_without_the_extras_each_command_says_which_to_install(home, tmp_path):
     assert error_lines(result.stderr, "configure") == [
         "fsdpctl configure: the Python package ansible-runner is not installed here (import ansible_runner "
         "failed); install it with `pip install -e '.[ansible]'` in the repository"]
+    result = _without(["ansible_mitogen"], ["configure", "--cluster", "nc-extras"], home)
+    assert result.returncode == 2, result.stderr
+    assert error_lines(result.stderr, "configure") == [
+        "fsdpctl configure: the Python package mitogen is not installed here (import ansible_mitogen "
+        "failed); install it with `pip install -e '.[ansible]'` in the repository"]
 
 
 def _aws_cluster(tmp_path: Path, name: str) -> state_mod.ClusterState:
