@@ -14,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +32,7 @@ from fsdpctl.console import Out, line_buffered, say
 from fsdpctl.errors import EXIT_OK, CommandError, Interrupted, UsageError
 from fsdpctl.inventory import write_inventory
 from fsdpctl.processes import processes, terminate
-from fsdpctl.remote import close_control_masters, cluster_nodes
+from fsdpctl.remote import close_control_masters, cluster_nodes, run_all
 from fsdpctl.slurm_nodes import nodes_held_up
 from fsdpctl.state import ClusterState, ConfigureRecord, HostRecap, TaskFailure
 
@@ -184,6 +185,23 @@ def strategy_environment(strategy: str) -> dict[str, str]:
     return {"ANSIBLE_STRATEGY_PLUGINS": str(plugins), "ANSIBLE_STRATEGY": "mitogen_linear"}
 
 
+def learn_host_keys(state: ClusterState, out: Out = say) -> None:
+    """First contact with the nodes whose host key the cluster's known_hosts lacks (an AWS node before
+    its first configure): one `ssh NODE true` with the cluster's options, whose `accept-new` pins the key.
+    Mitogen's ssh puts `StrictHostKeyChecking yes` ahead of the inventory's options, and ssh takes an
+    option's first value, so under Mitogen such a node would be refused as unreachable. A changed key is
+    refused still, by this ssh and then by Mitogen's."""
+    record = state.read()
+    known_hosts = record.ssh.known_hosts if record.ssh else ""
+    unknown = [node for node in cluster_nodes(record)
+               if subprocess.run(["ssh-keygen", "-F", node.address, "-f", known_hosts],
+                                 capture_output=True).returncode]
+    if unknown:
+        out(f"first contact with {', '.join(n.name for n in unknown)}: learning the host key(s) into "
+            f"{known_hosts}")
+        run_all(record, "true", ranks=[n.rank for n in unknown], timeout=60, check=False)
+
+
 def orphaned_playbooks(state: ClusterState) -> list[int]:
     """ansible-playbook processes (and their forked workers) running on this cluster's inventory.
     Called under the cluster's operation lock, so any there is belongs to a configure that was killed:
@@ -217,6 +235,8 @@ def run_configure(state: ClusterState, *, tags: str | list[str] | None = None, l
                            "directory (install fsdp-cluster from a checkout: pip install -e .)")
     stop_orphaned_playbooks(state, out)  # two playbooks at once would race on the same nodes
     inventory = write_inventory(state)
+    if strategy == "mitogen":
+        learn_host_keys(state, out)
     run_dir = state.new_run_dir("configure-check" if check else "configure")
     ansible_home = run_dir / "ansible-home"
     printer = _EventPrinter(out)

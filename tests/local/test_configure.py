@@ -187,6 +187,37 @@ def test_failing_task_exits_non_zero_naming_host_and_task(first_run, cluster):
     assert "fsdpctl configure: the playbook failed" in result.stderr
 
 
+def test_a_node_whose_host_key_is_not_known_yet_is_learnt_and_a_changed_key_refused(first_run, cluster, state,
+                                                                                     tmp_path):
+    """An AWS node's first configure finds no key of it in the cluster's known_hosts. Mitogen's ssh checks
+    keys strictly ahead of the inventory's `accept-new`, so configure learns the key first (as the linear
+    strategy's ssh does); a key that changed is refused all the same."""
+    known_hosts = Path(state.read().ssh.known_hosts)
+    kept = known_hosts.read_text()
+    try:
+        subprocess.run(["ssh-keygen", "-R", ADDRESSES[1], "-f", str(known_hosts)], check=True,
+                       capture_output=True)
+        result = fsdpctl(cluster, "configure", "--tags", "network", "--limit", NODES[1], check=False)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+        assert f"first contact with {NODES[1]}: learning the host key(s) into {known_hosts}" in result.stdout
+        assert subprocess.run(["ssh-keygen", "-F", ADDRESSES[1], "-f", str(known_hosts)],
+                              capture_output=True).returncode == 0
+
+        other = tmp_path / "other_key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+        subprocess.run(["ssh-keygen", "-R", ADDRESSES[1], "-f", str(known_hosts)], check=True,
+                       capture_output=True)
+        with known_hosts.open("a") as f:
+            f.write(f"{ADDRESSES[1]} {' '.join(other.with_suffix('.pub').read_text().split()[:2])}\n")
+        refused = fsdpctl(cluster, "configure", "--tags", "network", "--limit", NODES[1], check=False)
+        assert refused.returncode == 1, refused.stdout[-3000:]
+        assert "first contact" not in refused.stdout
+        assert re.search(rf"{NODES[1]}: task \[Gathering Facts\]: .*host key", refused.stdout), \
+            refused.stdout[-3000:]
+    finally:
+        known_hosts.write_text(kept)
+
+
 def test_the_login_user_makes_its_directories_in_the_shared_directory(first_run, state):
     """As AWS's login user (ubuntu) makes the jobs' and smoke runs' directories in the FSx mount, whose
     root a new file system gives to root (the local target's host directory is made by root too)."""
