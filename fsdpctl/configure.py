@@ -189,8 +189,8 @@ def learn_host_keys(state: ClusterState, out: Out = say) -> None:
     """First contact with the nodes whose host key the cluster's known_hosts lacks (an AWS node before
     its first configure): one `ssh NODE true` with the cluster's options, whose `accept-new` pins the key.
     Mitogen's ssh puts `StrictHostKeyChecking yes` ahead of the inventory's options, and ssh takes an
-    option's first value, so under Mitogen such a node would be refused as unreachable. A changed key is
-    refused still, by this ssh and then by Mitogen's."""
+    option's first value, so under Mitogen such a node would be refused as unreachable. A key that
+    changed is not learnt: known_hosts holds the old one, and Mitogen's ssh refuses the node as before."""
     record = state.read()
     known_hosts = record.ssh.known_hosts if record.ssh else ""
     unknown = [node for node in cluster_nodes(record)
