@@ -20,6 +20,7 @@ result's `series`.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -35,9 +36,13 @@ NETWORK_USE_BOUND = 0.80
 # Growth per 100 steps after warm-up above which a rank is said to leak (docs/smoke-test.md).
 HOST_LEAK_BOUND_MIB = 256.0
 DEVICE_LEAK_BOUND_MIB = 64.0
+# The largest one-off rise of a healthy rank's host RSS in a smoke run: a checkpoint save adds ~13 MiB
+# and RSS moves by +-7 MiB (docs/smoke-test.md). Device memory repeats exactly once warmed up.
+HOST_HEALTHY_JUMP_MIB = 20.0
+DEVICE_HEALTHY_JUMP_MIB = 0.0
 WARMUP_FRACTION = 0.25  # of a job's steps; at least WARMUP_MIN_STEPS
 WARMUP_MIN_STEPS = 2
-MIN_FIT_STEPS = 4  # distinct steps after warm-up needed to fit a slope
+MIN_FIT_STEPS = 4  # distinct steps after warm-up needed to fit a slope at all
 MIB = 2**20
 RATE_WINDOW_S = int(RATE_WINDOW.removesuffix("s"))
 
@@ -144,15 +149,26 @@ def after_warmup(points: Points) -> Points:
     return [(x, y) for x, y in points if x >= warmup_end]
 
 
-def leak_verdict(points: Points, bound_mib: float) -> LeakVerdict:
-    """Growth per 100 steps of one rank's memory series (step, bytes) after warm-up, against a bound."""
+def fit_steps_needed(bound_mib: float, healthy_jump_mib: float) -> int:
+    """Distinct steps after warm-up that a fit needs before its slope can be judged against the bound:
+    least squares over n steps turns a one-off rise of J in their middle into a slope of about 1.5 J / n
+    per step, so with fewer than 150 J / bound steps a healthy series' rise (a checkpoint save) would
+    read as a leak of more than the bound per 100 steps."""
+    return max(MIN_FIT_STEPS, math.ceil(150 * healthy_jump_mib / bound_mib))
+
+
+def leak_verdict(points: Points, bound_mib: float, healthy_jump_mib: float = 0.0) -> LeakVerdict:
+    """Growth per 100 steps of one rank's memory series (step, bytes) after warm-up, against a bound;
+    `healthy_jump_mib`: the largest one-off rise the series shows without a leak (fit_steps_needed)."""
     fitted = after_warmup(points)
     steps = len({x for x, _ in fitted})
-    if steps < MIN_FIT_STEPS:
+    needed = fit_steps_needed(bound_mib, healthy_jump_mib)
+    if steps < needed:
         return LeakVerdict(status="skip", mib_per_100_steps=None, bound_mib_per_100_steps=bound_mib,
                            steps_fitted=steps,
-                           reason=f"{steps} distinct step(s) sampled after warm-up, {MIN_FIT_STEPS} needed "
-                                  "(run more steps, or scrape more often)")
+                           reason=f"{steps} distinct step(s) sampled after warm-up, {needed} needed to tell "
+                                  f"a leak of {bound_mib:g} MiB per 100 steps from a one-off rise of "
+                                  f"{healthy_jump_mib:g} MiB (run more steps)")
     growth = least_squares_slope(fitted) * 100 / MIB
     return LeakVerdict(status="fail" if growth > bound_mib else "pass", mib_per_100_steps=round(growth, 3),
                        bound_mib_per_100_steps=bound_mib, steps_fitted=steps)
@@ -185,21 +201,22 @@ def gpu_problems(gpu: GpuUtilisation) -> list[str]:
     return problems
 
 
-# (a step record's memory per rank, leak bound, what it is); device memory is only in the records of
-# GPU runs.
-MEMORY_SERIES: tuple[tuple[Callable[[StepRecord], list[int] | None], float, str], ...] = (
-    (lambda record: record.host_rss_bytes_per_rank, HOST_LEAK_BOUND_MIB, "host RSS"),
-    (lambda record: record.device_mem_bytes_per_rank, DEVICE_LEAK_BOUND_MIB, "device memory"))
+# (a step record's memory per rank, leak bound, healthy one-off rise, what it is); device memory is only
+# in the records of GPU runs.
+MEMORY_SERIES: tuple[tuple[Callable[[StepRecord], list[int] | None], float, float, str], ...] = (
+    (lambda record: record.host_rss_bytes_per_rank, HOST_LEAK_BOUND_MIB, HOST_HEALTHY_JUMP_MIB, "host RSS"),
+    (lambda record: record.device_mem_bytes_per_rank, DEVICE_LEAK_BOUND_MIB, DEVICE_HEALTHY_JUMP_MIB,
+     "device memory"))
 
 
-def memory_series(lines: list[StepRecord]) -> dict[str, tuple[float, Points]]:
-    """`rank R host RSS` (and `... device memory`) -> (leak bound, [(step, bytes)]) from a run's step
-    records: every rank's memory at each step the trainer read it (each logged step)."""
-    out: dict[str, tuple[float, Points]] = {}
-    for per_rank, bound, kind in MEMORY_SERIES:
+def memory_series(lines: list[StepRecord]) -> dict[str, tuple[float, float, Points]]:
+    """`rank R host RSS` (and `... device memory`) -> (leak bound, healthy one-off rise, [(step, bytes)])
+    from a run's step records: every rank's memory at each step the trainer read it (each logged step)."""
+    out: dict[str, tuple[float, float, Points]] = {}
+    for per_rank, bound, jump, kind in MEMORY_SERIES:
         for record in lines:
             for rank, value in enumerate(per_rank(record) or []):
-                points = out.setdefault(f"rank {rank} {kind}", (bound, []))[1]
+                points = out.setdefault(f"rank {rank} {kind}", (bound, jump, []))[2]
                 points.append((float(record.step), float(value)))
     return out
 
@@ -308,11 +325,11 @@ def _gather(ctx: CheckContext, prom: Prometheus, training: TrainingRun
     cpu = rng(f'1 - avg by (node) (rate(node_cpu_seconds_total{{mode="idle"}}[{RATE_WINDOW}]))')
     details = MonitoringDetails(
         window=(start, end), gpu=gpu, network=network,
-        leaks={name: leak_verdict(points, bound) for name, (bound, points) in memory.items()},
+        leaks={name: leak_verdict(points, bound, jump) for name, (bound, jump, points) in memory.items()},
         per_rank_tokens_per_s=per_rank_tokens_per_s)
     plotted = MonitoringSeries(
         window=(start, end), cpu_util=_by_label(cpu, "node"), gpu_util=gpu_series, network_bps=series,
         link_bps={n: (f.link_gbps or 0) * 1e9 for n, f in nodes.items()},
-        memory={name: points for name, (_, points) in memory.items()},
+        memory={name: points for name, (_, _, points) in memory.items()},
         per_rank_tokens_per_s=per_rank_tokens_per_s)
     return details, plotted

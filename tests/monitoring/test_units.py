@@ -13,13 +13,16 @@ import pytest
 import torch
 
 from fsdpctl.checks.monitoring import (
+    DEVICE_HEALTHY_JUMP_MIB,
     DEVICE_LEAK_BOUND_MIB,
+    HOST_HEALTHY_JUMP_MIB,
     HOST_LEAK_BOUND_MIB,
     MIB,
     MIN_FIT_STEPS,
     MonitoringSeries,
     RangeSeries,
     after_warmup,
+    fit_steps_needed,
     gpu_problems,
     gpu_utilisation,
     leak_verdict,
@@ -85,6 +88,33 @@ def test_too_few_steps_after_warmup_is_a_skip_with_the_reason():
     assert verdict.mib_per_100_steps is None
 
 
+def test_a_checkpoint_saves_rise_in_a_short_run_is_not_read_as_a_leak():
+    """Seen in the fault suite's 8-step smoke run: a healthy rank whose RSS rose once by 13 MiB (a
+    checkpoint save) in a fit over 6 steps read as 330 MiB per 100 steps, over the 256 bound. Such a
+    fit is too short to judge; from fit_steps_needed on, the same rise is under the bound."""
+    needed = fit_steps_needed(HOST_LEAK_BOUND_MIB, HOST_HEALTHY_JUMP_MIB)
+    assert needed == 12
+
+    def saved_once(steps: int) -> list[tuple[float, float]]:
+        fitted_from = min(x for x, _ in after_warmup([(s, 0.0) for s in range(1, steps + 1)]))
+        middle = fitted_from + (steps - fitted_from) // 2
+        return [(s, (500 + (HOST_HEALTHY_JUMP_MIB if s > middle else 0)) * MIB) for s in range(1, steps + 1)]
+
+    short = leak_verdict(saved_once(8), HOST_LEAK_BOUND_MIB, HOST_HEALTHY_JUMP_MIB)
+    assert short.status == "skip" and short.steps_fitted == 6
+    assert short.reason == ("6 distinct step(s) sampled after warm-up, 12 needed to tell a leak of 256 MiB "
+                            "per 100 steps from a one-off rise of 20 MiB (run more steps)")
+    assert least_squares_slope(after_warmup(saved_once(8))) * 100 / MIB > HOST_LEAK_BOUND_MIB  # what it was
+    for steps in (15, 16, 20, 40):  # 12 or more fitted
+        verdict = leak_verdict(saved_once(steps), HOST_LEAK_BOUND_MIB, HOST_HEALTHY_JUMP_MIB)
+        assert verdict.status == "pass", (steps, verdict)
+    # A leak is still a leak in the shortest judged fit, and device memory (no healthy rise) is judged
+    # from MIN_FIT_STEPS on.
+    leak = [(s, (500 + 8 * s) * MIB) for s in range(1, 16)]
+    assert leak_verdict(leak, HOST_LEAK_BOUND_MIB, HOST_HEALTHY_JUMP_MIB).status == "fail"
+    assert fit_steps_needed(DEVICE_LEAK_BOUND_MIB, DEVICE_HEALTHY_JUMP_MIB) == MIN_FIT_STEPS
+
+
 def _dcgm(node: str, gpu: int, utils: list[float]) -> RangeSeries:
     """A query_range series of DCGM_FI_DEV_GPU_UTIL (percent), one sample a second from t=100."""
     return RangeSeries(labels={"node": node, "gpu": str(gpu)},
@@ -119,8 +149,10 @@ def test_memory_series_per_rank_from_the_steps_that_read_memory():
              step_record(10, host_rss_bytes_per_rank=[110, 260], device_mem_bytes_per_rank=[5, 7]),
              step_record(20, host_rss_bytes_per_rank=[120, 320], device_mem_bytes_per_rank=[5, 8])]
     series = memory_series(lines)
-    assert series["rank 1 host RSS"] == (HOST_LEAK_BOUND_MIB, [(1.0, 200.0), (10.0, 260.0), (20.0, 320.0)])
-    assert series["rank 0 device memory"] == (DEVICE_LEAK_BOUND_MIB, [(1.0, 5.0), (10.0, 5.0), (20.0, 5.0)])
+    assert series["rank 1 host RSS"] == (HOST_LEAK_BOUND_MIB, HOST_HEALTHY_JUMP_MIB,
+                                         [(1.0, 200.0), (10.0, 260.0), (20.0, 320.0)])
+    assert series["rank 0 device memory"] == (DEVICE_LEAK_BOUND_MIB, DEVICE_HEALTHY_JUMP_MIB,
+                                              [(1.0, 5.0), (10.0, 5.0), (20.0, 5.0)])
     assert set(series) == {f"rank {r} {k}" for r in (0, 1) for k in ("host RSS", "device memory")}
     cpu = memory_series([step_record(s, host_rss_bytes_per_rank=[100]) for s in range(1, 4)])
     assert set(cpu) == {"rank 0 host RSS"}
@@ -133,10 +165,12 @@ def test_a_leak_is_fitted_from_every_logged_step_of_a_short_run():
     lines = [step_record(s, host_rss_bytes_per_rank=[(500 + (s * 8 if s > 3 else 0)) * MIB, 500 * MIB])
              for s in range(1, 21)]
     series = memory_series(lines)
-    leaking = leak_verdict(series["rank 0 host RSS"][1], HOST_LEAK_BOUND_MIB)
+    bound, jump, points = series["rank 0 host RSS"]
+    leaking = leak_verdict(points, bound, jump)
     assert leaking.status == "fail" and leaking.mib_per_100_steps == pytest.approx(800)
     assert leaking.steps_fitted == 15
-    assert leak_verdict(series["rank 1 host RSS"][1], HOST_LEAK_BOUND_MIB).status == "pass"
+    bound, jump, points = series["rank 1 host RSS"]
+    assert leak_verdict(points, bound, jump).status == "pass"
 
 
 def _runtime(rank: int = 1, world: int = 2) -> Runtime:
