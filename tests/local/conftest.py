@@ -18,6 +18,7 @@ import yaml
 from fsdpctl import remote
 from fsdpctl.state import ClusterState
 from fsdpctl.targets.local.host import missing_commands
+from fsdpctl.targets.local.nodes import LAYER_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "198.18.1.0/24"  # test_configure's; every module that boots nodes has a subnet of its own
@@ -99,6 +100,18 @@ def reboot(state: ClusterState, rank: int, *, within_s: float = 180) -> str:
         time.sleep(0.5)
     log = Path(state.read().local.nodes[rank].dir, "nspawn.log").read_text()[-2000:]
     raise AssertionError(f"node {rank} did not come back from a reboot within {within_s:.0f} s:\n{log}")
+
+
+def login_blocker_failing_once_per_boot(directory: Path) -> dict[str, str]:
+    """The environment for `fsdpctl up` under which every node gets a drop-in (through the node layer,
+    FSDPCTL_LOCAL_NODE_LAYER, written under `directory`) that fails systemd-user-sessions' first start
+    of each boot, as it failed once on a loaded CI host: /run/nologin then stays, and pam_nologin
+    refuses every login but root's until the unit is started again."""
+    drop_in = directory / "etc/systemd/system/systemd-user-sessions.service.d/fail-once.conf"
+    drop_in.parent.mkdir(parents=True)
+    drop_in.write_text("[Service]\nExecStartPre=/bin/sh -c "
+                       "'test -e /run/failed-once || { touch /run/failed-once; exit 1; }'\n")
+    return {LAYER_ENV: str(directory)}
 
 
 def read_state(home: Path, name: str) -> dict:

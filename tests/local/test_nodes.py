@@ -16,7 +16,15 @@ import pytest
 from fsdpctl import remote
 from fsdpctl.processes import alive
 from fsdpctl.state import cluster_state
-from tests.local.conftest import LOGIN_USER, fsdpctl, host_leftovers, read_state, reboot, spec_file
+from tests.local.conftest import (
+    LOGIN_USER,
+    fsdpctl,
+    host_leftovers,
+    login_blocker_failing_once_per_boot,
+    read_state,
+    reboot,
+    spec_file,
+)
 
 pytestmark = pytest.mark.root
 
@@ -202,26 +210,18 @@ def test_a_node_rebooted_from_inside_comes_back_as_a_machine_does(cluster, state
 
 
 # A drop-in that fails the unit's first start in each boot (its mark lives in the node's /run).
-FAIL_ONCE = """[Service]
-ExecStartPre=/bin/sh -c 'test -e /run/failed-once || { touch /run/failed-once; exit 1; }'
-"""
-
-
 def test_a_login_blocking_unit_that_fails_while_booting_is_started_again_and_the_user_gets_in(
         prerequisites, tmp_path):
     """systemd-user-sessions failed once on a loaded CI host: /run/nologin then stays, and pam_nologin
     refuses every login but root's. `up` looks at the boot as root from the host, starts the unit again
     and then logs in as the login user (`ubuntu`, with no way to repair the node itself)."""
-    layer = tmp_path / "layer"
-    drop_in = layer / "etc/systemd/system/systemd-user-sessions.service.d/fail-once.conf"
-    drop_in.parent.mkdir(parents=True)
-    drop_in.write_text(FAIL_ONCE)
+    layer_env = login_blocker_failing_once_per_boot(tmp_path / "layer")
     home = tmp_path / "home"
     name = "lnt-login"
     spec = spec_file(tmp_path, name, node_count=1, local={
         "subnet_cidr": LOGIN_SUBNET, "login_user": LOGIN_USER})
     try:
-        up = fsdpctl(home, "up", str(spec), "--target", "local", env={"FSDPCTL_LOCAL_NODE_LAYER": str(layer)})
+        up = fsdpctl(home, "up", str(spec), "--target", "local", env=layer_env)
         assert (f"local: {name}-node0: systemd-user-sessions.service failed while booting and was started "
                 "again") in up.stdout
         logged_in = fsdpctl(home, "ssh", "0", "--cluster", name, "--",

@@ -54,10 +54,11 @@ def slurm_node_states(home: Path, name: str) -> dict[str, tuple[str, str]]:
 @contextlib.contextmanager
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: str, *,
                   spec: dict | None = None, tags: str = "slurm", configure_args: tuple[str, ...] = (),
-                  deploy: bool = False) -> Iterator[tuple[Path, dict[str, str]]]:
+                  deploy: bool = False, up_env: dict[str, str] | None = None,
+                  ) -> Iterator[tuple[Path, dict[str, str]]]:
     """Two local p4d-shaped nodes, `up`, `configure --tags slurm` (or `tags`; and `deploy`): (FSDPCTL_HOME,
     the environment for fsdpctl); torn down whatever happens. `spec`'s `local` adds to the local
-    settings."""
+    settings; `up_env` to the environment of `up`."""
     require_local_prerequisites()
     home = tmp_path_factory.mktemp("fsdpctl-home")
     spec = spec or {}
@@ -65,7 +66,8 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory, name: str, subnet: s
     spec_path = spec_file(home.parent, name, **{**spec, "local": local})
     env = {k: v for k, v in os.environ.items() if k == "FSDPCTL_CACHE"}
     try:
-        fsdpctl(home, "up", str(spec_path), "--target", "local", "--nodes", "2", env=env, timeout=900)
+        fsdpctl(home, "up", str(spec_path), "--target", "local", "--nodes", "2",
+                env={**env, **(up_env or {})}, timeout=900)
         fsdpctl(home, "configure", "--tags", tags, *configure_args, env=env, timeout=600)
         if deploy:
             fsdpctl(home, "deploy", env=env, timeout=900)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from fsdpctl.processes import processes
-from tests.local.conftest import LOGIN_USER, fsdpctl, read_state
+from tests.local.conftest import LOGIN_USER, fsdpctl, login_blocker_failing_once_per_boot, read_state
 from tests.slurm.conftest import on_node, slurm_cluster, slurm_node_states, wait_for
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -40,10 +40,12 @@ JOB_TIMEOUT_S = 240
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Up with power saving and `configure --tags storage,slurm`; torn down after the module whatever
-    happens."""
+    happens. Every boot of its nodes fails systemd-user-sessions' first start, which shuts the login
+    user out until the unit is started again: `up` does that, and so must the power agent on a resume."""
     spec = {"scaling": {"min_nodes": 1}, "local": {"login_user": LOGIN_USER}}
+    layer_env = login_blocker_failing_once_per_boot(tmp_path_factory.mktemp("node-layer"))
     with slurm_cluster(tmp_path_factory, NAME, SUBNET, spec=spec, tags="storage,slurm",
-                       configure_args=FAST_SUSPEND) as home_and_env:
+                       configure_args=FAST_SUSPEND, up_env=layer_env) as home_and_env:
         yield home_and_env
 
 
@@ -138,6 +140,10 @@ def test_configure_powers_the_node_up_first_and_changes_nothing(cluster):
     out = fsdpctl(home, "configure", "--tags", "slurm", *FAST_SUSPEND, env=env, timeout=600).stdout
     assert f"powering up {NODES[1]}" in out
     assert f"{NODES[1]} ok=" in out and "changed=0" in out.split(f"{NODES[1]} ok=")[1].splitlines()[0]
+    # Ansible logged in as the login user: the agent had started the unit that failed again.
+    agent_log = (home / "clusters" / NAME / "power-agent.log").read_text()
+    assert (f"local: {NODES[1]}: systemd-user-sessions.service failed while booting and was started again"
+            in agent_log), agent_log[-3000:]
 
 
 def test_down_stops_the_power_agent(cluster):

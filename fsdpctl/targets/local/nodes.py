@@ -249,8 +249,11 @@ def _prepare_node(node: LocalNode, plan: LocalRecord, public_key: str, login_use
     for sub in ("upper", "work", "merged"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     layer = node_layer()
-    if layer is not None:
-        _sh("cp", "-a", "--", f"{layer}/.", str(base / "upper"))
+    entries = sorted(str(entry) for entry in layer.iterdir()) if layer is not None else []
+    if entries:
+        # Its entries, not `LAYER/.`: that would give the node's / the layer directory's owner and mode
+        # (0700 for a mktemp directory, which keeps dbus and every other non-root service out).
+        _sh("cp", "-a", "--", *entries, str(base / "upper"))
     _mount_root(node, plan)
     root = node.root
     prefix = ipaddress.ip_network(plan.subnet).prefixlen
@@ -352,6 +355,14 @@ def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, dead
                  progress: Out) -> None:
     """Until the node's systemd has finished booting (what failed on the way started once more) and the
     login user can log in over SSH."""
+    init_pid = settle_boot(node, proc, deadline, progress)
+    _wait_for_login(node, ssh, proc, init_pid, deadline)
+
+
+def settle_boot(node: LocalNode, proc: subprocess.Popen, deadline: float, progress: Out) -> int:
+    """Until the node's systemd has finished booting; what failed on the way is started once more (a
+    failed systemd-user-sessions would leave /run/nologin, which shuts every user but root out) and
+    said. Returns the host pid of the node's systemd. `proc`: the node's keeper."""
     init_pid = _wait_for_init(node, proc, deadline)
     try:
         settled = _in_node(init_pid, render_script("targets/local/templates/boot_settle.sh.j2"),
@@ -372,7 +383,7 @@ def _wait_booted(node: LocalNode, ssh: SshSettings, proc: subprocess.Popen, dead
                  f"{'was' if len(restarted) == 1 else 'were'} started again")
     if system_state == "degraded":
         progress(f"local: {node.name} booted degraded; failed units: {', '.join(still_failed) or '?'}")
-    _wait_for_login(node, ssh, proc, init_pid, deadline)
+    return init_pid
 
 
 def _wait_for_init(node: LocalNode, proc: subprocess.Popen, deadline: float) -> int:
@@ -599,7 +610,7 @@ def power_off(plan: LocalRecord, node: LocalNode, progress: Out) -> list[str]:
 
 def power_on(plan: LocalRecord, node: LocalNode) -> subprocess.Popen:
     """Boot a powered-off node again from its own files (same identity, keys and configuration);
-    returns once its network link is up, while it boots."""
+    returns its keeper once its network link is up, while it boots (`settle_boot` follows the boot)."""
     if not node.root.is_mount():
         _mount_root(node, plan)
     # Slurm takes a powered-up node back only if the boot time its slurmd reports (in whole seconds:

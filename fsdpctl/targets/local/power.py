@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -119,8 +120,19 @@ class Agent:
 
     def _resume(self, plan: LocalRecord, node: LocalNode) -> None:
         if node.rank not in nodes.running_ranks(plan):
-            self.children[node.rank] = nodes.power_on(plan, node)
+            keeper = nodes.power_on(plan, node)
+            self.children[node.rank] = keeper
+            # As `up` does, but beside the requests that come meanwhile: a unit that failed while booting
+            # is started again (a failed systemd-user-sessions would shut the login user out).
+            threading.Thread(target=self._settle, args=(node, keeper), name=f"settle-{node.name}",
+                             daemon=True).start()
         self._record(node.rank, powered_down=False)
+
+    def _settle(self, node: LocalNode, keeper: subprocess.Popen) -> None:
+        try:
+            nodes.settle_boot(node, keeper, time.monotonic() + nodes.BOOT_TIMEOUT_S, self.say)
+        except (CommandError, OSError, subprocess.SubprocessError) as e:
+            self.say(f"resume {node.name}: its boot did not settle: {e}")
 
     def _suspend(self, plan: LocalRecord, node: LocalNode) -> None:
         left = nodes.power_off(plan, node, self.say)
