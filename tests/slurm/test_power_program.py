@@ -223,12 +223,22 @@ def test_the_agent_answers_a_failed_start_and_keeps_serving(tmp_path, monkeypatc
     assert "resume pw-node1 failed: FileNotFoundError" in (agent.state.root / "power-agent.log").read_text()
 
 
-def test_the_agent_boots_a_replaced_node_with_its_new_identity(tmp_path, monkeypatch):
+def test_the_agent_boots_a_replaced_node_with_its_new_identity_and_settles_its_boot(tmp_path, monkeypatch):
+    """The node boots with its new machine-id; then, beside the next requests, the agent follows its boot
+    as `up` does (nodes.settle_boot: what failed while booting is started again) with the node's keeper."""
     from fsdpctl.targets.local import nodes
 
-    booted = []
+    booted, settled = [], []
+    keeper = object()  # what power_on returns: the node's keeper process
+
+    def power_on(plan, node):
+        booted.append(node.machine_id)
+        return keeper
+
     monkeypatch.setattr(nodes, "running_ranks", lambda plan: set())
-    monkeypatch.setattr(nodes, "power_on", lambda plan, node: booted.append(node.machine_id))
+    monkeypatch.setattr(nodes, "power_on", power_on)
+    monkeypatch.setattr(nodes, "settle_boot", lambda node, proc, deadline, progress: settled.append(
+        (node.name, proc)))
     agent = _agent(tmp_path)
     plan = agent.state.read().local
     # `fsdpctl replace 1` while the agent runs: the node gets a new machine-id
@@ -236,6 +246,10 @@ def test_the_agent_boots_a_replaced_node_with_its_new_identity(tmp_path, monkeyp
     agent.state.update(local=plan.model_copy(update={"nodes": [replaced]}))
     assert agent.handle("resume pw-node1") == "ok"
     assert booted == ["1" * 32]
+    for thread in threading.enumerate():
+        if thread.name == "settle-pw-node1":
+            thread.join(timeout=10)
+    assert settled == [("pw-node1", keeper)]
 
 
 def test_the_agent_stops_once_its_cluster_state_is_gone(tmp_path):
