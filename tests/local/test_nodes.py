@@ -209,7 +209,6 @@ def test_a_node_rebooted_from_inside_comes_back_as_a_machine_does(cluster, state
     assert "every node answers over SSH" in fsdpctl(home, "status").stdout
 
 
-# A drop-in that fails the unit's first start in each boot (its mark lives in the node's /run).
 def test_a_login_blocking_unit_that_fails_while_booting_is_started_again_and_the_user_gets_in(
         prerequisites, tmp_path):
     """systemd-user-sessions failed once on a loaded CI host: /run/nologin then stays, and pam_nologin
