@@ -27,8 +27,10 @@ DOCS = "docs/trainer.md"
 
 
 class _Section(BaseModel):
-    # Each field's docstring is its description.
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # Each field's docstring documents it (tests/trainer/test_config.py checks every key has one). Pydantic
+    # is not asked to read them (use_attribute_docstrings): it parses each class's source for that, 0.15 s
+    # of every rank's start.
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Strategy(StrEnum):

@@ -334,6 +334,7 @@ def spy(name, globals=None, locals=None, fromlist=(), level=0):
     return real_import(name, globals, locals, fromlist, level)
 builtins.__import__ = spy
 import trainer.__main__
+import trainer.tracking.tensorboard  # the main rank's, imported as its tracker is made
 print(json.dumps(sorted(seen - set(sys.stdlib_module_names) - {"trainer", "torch"})))
 """
 
@@ -344,8 +345,9 @@ def _canonical(distribution: str) -> str:
 
 def test_the_carried_wheels_cover_every_module_the_trainer_imports_at_start():
     """The GPU machine has torch, numpy and PyYAML; everything else `python -m trainer` imports at start
-    must be probed (probe.py's TRAINER_MODULES) and come from `--fetch-wheels` (HELPER_WHEELS). The GPU run
-    of 2026-12-05 stopped at tensorboardX, which the trainer had begun to import after the lists were made."""
+    (and its main rank's TensorBoard sink before the first step) must be probed (probe.py's
+    TRAINER_MODULES) and come from `--fetch-wheels` (HELPER_WHEELS). The GPU run of 2026-12-05 stopped
+    at tensorboardX, which the trainer had begun to import after the lists were made."""
     from importlib.metadata import packages_distributions
 
     sys.path.insert(0, str(REPO / "bench" / "gpu_check"))

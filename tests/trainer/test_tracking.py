@@ -25,7 +25,7 @@ from trainer.distributed import Runtime
 from trainer.errors import ConfigError
 from trainer.metrics import MetricsLogger
 from trainer.tracking import Tracker, TrackingConfig
-from trainer.tracking.trackers import scalars
+from trainer.tracking.scalars import scalars
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
@@ -67,7 +67,7 @@ def metrics_run(tmp_path_factory) -> dict:
 
 
 def expected_scalars(record: dict) -> dict[str, float]:
-    """What the brief asks of a JSONL record, written out independently of trackers.scalars."""
+    """What the brief asks of a JSONL record, written out independently of tracking.scalars."""
     out = {}
     for key, value in record.items():
         if key == "step" or value is None or isinstance(value, str | list):

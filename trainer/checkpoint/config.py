@@ -14,7 +14,8 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointConfig(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # Each field's docstring documents it; pydantic is not asked to read them (trainer.config's _Section).
+    model_config = pydantic.ConfigDict(extra="forbid")
 
     dir: str | None = None
     """Primary location; one file system for all nodes (FSx, /shared). Unset: no checkpoints."""

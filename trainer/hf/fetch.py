@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 Log = Callable[[str], None]
@@ -205,6 +204,9 @@ def _fetch(fetch: _Fetch, cache_dir: str | Path | None, log: Log) -> Path:
 
     def say(message: str) -> None:
         log(f"{topic}: {message}")
+
+    # boto3 takes a fifth of a second to import: only a run that fetches from S3 pays for it.
+    import boto3
 
     with _locked(target / LOCK, fetch, say):
         _sync(boto3.client("s3"), fetch, target, say)

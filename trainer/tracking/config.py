@@ -8,9 +8,9 @@ import pydantic
 
 
 class _Section(pydantic.BaseModel):
-    # Each field's docstring is its description. Not trainer.config's _Section: that module imports
-    # this one.
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # As trainer.config's _Section (each field's docstring documents it; pydantic is not asked to read
+    # them). Not that class: that module imports this one.
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
 
 
 class WandbConfig(_Section):

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
-import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,34 +19,11 @@ from typing import Protocol
 from urllib.parse import urlparse
 
 import pydantic
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
-from tensorboardX.proto.tensor_pb2 import TensorProto
-from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
-from tensorboardX.summary import text
 
 from trainer.errors import ConfigError, Problem
 from trainer.records import EvalRecord, StepRecord, SummaryRecord
 from trainer.tracking.config import MlflowConfig, TrackingConfig, WandbConfig
-
-Scalars = dict[str, int | float]
-Steps = list[tuple[int, Scalars]]
-
-
-def scalars(record: dict, prefix: str = "") -> Scalars:
-    """A record's numeric fields by their JSONL names: bools as 0/1, nested dicts as `outer/inner`;
-    lists, strings and None are left out."""
-    out: Scalars = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(scalars(value, f"{name}/"))
-        elif isinstance(value, bool):
-            out[name] = int(value)
-        elif isinstance(value, int | float):
-            out[name] = value
-    return out
+from trainer.tracking.scalars import Steps, scalars, summary_step
 
 
 def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
@@ -62,56 +37,10 @@ def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _summary_step(summary: dict) -> int:
-    return summary.get("last_step") or 0
-
-
 class _Sink(Protocol):
     def log(self, steps: Steps) -> None: ...
 
     def close(self, summary: dict) -> None: ...
-
-
-# TensorBoard's scalars plugin reads a tensor value marked as its own; a double keeps every value exactly
-# as in the JSONL (the classic simple_value is float32: byte counts and learning rates would round).
-_SCALAR_METADATA = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="scalars"))
-
-
-def _double_scalars(values: Scalars) -> Summary:
-    return Summary(value=[
-        Summary.Value(tag=tag, metadata=_SCALAR_METADATA, tensor=TensorProto(
-            dtype="DT_DOUBLE", double_val=[value], tensor_shape=TensorShapeProto()))
-        for tag, value in values.items()])
-
-
-def _json_text(obj: dict) -> str:
-    return textwrap.indent(json.dumps(obj, indent=2), "    ")  # a Markdown code block in TensorBoard
-
-
-class TensorBoardSink:
-    """One event file per run in `logdir`; a resumed run adds a file, TensorBoard joins them by step."""
-
-    def __init__(self, logdir: str, run_config: dict):
-        Path(logdir).mkdir(parents=True, exist_ok=True)
-        # Synchronous, unlike tensorboardX's FileWriter, whose flush() leaves queued events unwritten:
-        # what the metrics file has, the event file has too.
-        self.writer = EventsWriter(str(Path(logdir) / "events"))
-        self._write(0, text("config", _json_text(run_config)))
-        self.writer.flush()
-
-    def _write(self, step: int, summary: Summary) -> None:
-        self.writer.write_event(Event(wall_time=time.time(), step=step, summary=summary))
-
-    def log(self, steps: Steps) -> None:
-        for step, values in steps:
-            self._write(step, _double_scalars(values))
-        self.writer.flush()
-
-    def close(self, summary: dict) -> None:
-        step = _summary_step(summary)
-        self._write(step, _double_scalars(scalars(summary, "summary/")))
-        self._write(step, text("summary", _json_text(summary)))
-        self.writer.close()
 
 
 class WandbSink:
@@ -156,7 +85,7 @@ class MlflowSink:
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def close(self, summary: dict) -> None:
-        self.log([(_summary_step(summary), scalars(summary, "summary/"))])
+        self.log([(summary_step(summary), scalars(summary, "summary/"))])
         # The whole summary too: how the run stopped, the hosts (not numbers, so not metrics).
         self.client.log_dict(self.run_id, summary, "summary.json")
         self.client.set_terminated(self.run_id)
@@ -202,6 +131,10 @@ class Tracker:
         tensorboard_dir = cfg.tensorboard_dir or (
             metrics_file and metrics_file.removesuffix(".jsonl") + ".tensorboard")
         if tensorboard_dir:
+            # Imported here, by the main rank alone: tensorboardX (with the boto3 it imports) is a tenth
+            # of a second of every process's start.
+            from trainer.tracking.tensorboard import TensorBoardSink
+
             sinks.append(TensorBoardSink(tensorboard_dir, run_config))
         if cfg.wandb:
             sinks.append(WandbSink(cfg.wandb, Path(cfg.wandb.dir) if cfg.wandb.dir else metrics_dir,
