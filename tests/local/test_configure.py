@@ -281,8 +281,8 @@ def test_check_mode_reports_what_would_change_and_changes_nothing(first_run, clu
     """`fsdpctl configure --check`: Ansible's check mode. A lower MTU would change the network role's
     settings, but the nodes keep 9000 and the cluster's last configure stays the real one; on nodes
     already configured, a check of the whole playbook would change nothing. The first check runs under
-    Ansible's own linear strategy (`--strategy linear`), the others under Mitogen's (the default): the
-    results are the same under both."""
+    Ansible's own linear strategy (`--strategy linear`: the suite's run of it on real nodes), the whole
+    playbook under Mitogen's (the default)."""
     last = state.read().last_configure
     result = fsdpctl(cluster, "configure", "--check", "--tags", "network", "-e", "fsdp_mtu=8000",
                      "--strategy", "linear", check=False)
