@@ -59,7 +59,9 @@ TARGET_NAMES: tuple[Target, ...] = get_args(Target)
 
 
 class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # Each field's docstring documents it; pydantic is not asked to read them (infra/spec/model.py's
+    # _Model says why).
+    model_config = ConfigDict(extra="forbid")
 
 
 class Node(_Record):

@@ -22,9 +22,10 @@ from infra.spec.rules import cross_field_problems
 
 
 class _Model(BaseModel):
-    # Each field's docstring is its description (docs/cluster-spec.md is checked against them).
-    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False,
-                              use_attribute_docstrings=True)
+    # Each field's docstring documents it (docs/cluster-spec.md is checked against them:
+    # tests/infra/test_docs.py). Pydantic is not asked to read them (use_attribute_docstrings): it
+    # parses each class's source for that, at every `fsdpctl` start.
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
 
 class CapacityType(StrEnum):

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import ast
-import inspect
-import itertools
-import textwrap
-
 import pytest
 
+from tests.docstrings import field_docstrings
 from trainer.__main__ import build_parser, main
 from trainer.config import ConfigError, Strategy, derive_layout, load_config, parse_config
 
@@ -117,22 +113,6 @@ def test_cli_options_are_full_words():
     assert args.resume == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args(["--config", "tiny", "--step", "3"])
-
-
-def field_docstrings(model: type) -> dict[str, str]:
-    """The docstring under each field of `model` and of the classes it derives from, read from their
-    source as pydantic's `use_attribute_docstrings` would (the trainer does not ask pydantic to)."""
-    docs: dict[str, str] = {}
-    for cls in reversed(model.__mro__):
-        if cls.__module__.split(".")[0] != "trainer":
-            continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-        for field, after in itertools.pairwise(body):
-            if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
-                    and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                    and isinstance(after.value.value, str) and after.value.value.strip()):
-                docs[field.target.id] = after.value.value
-    return docs
 
 
 def test_every_config_key_has_a_docstring():
