@@ -334,6 +334,12 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
     """Wait for a checkpoint and a step after it, kill the victim's workers, and time the recovery:
     from the kill to the first metrics line written by the restarted workers.
 
+    Any step past the first checkpoint's will do: that checkpoint is then whole (a save blocks the
+    step after it), and where the kill cuts a later save short, the run resumes from the one before.
+    Waiting for a step between two checkpoints instead lost the race where steps are short beside a
+    save (a tiny model on CPU, a large checkpoint on GPUs): every poll found the last line at a
+    checkpoint's step until the run ended.
+
     Lines the old workers were still writing when the kill landed must not count: torchrun starts
     new workers only after a new rendezvous round, which every agent joins only after stopping its
     old workers; so once the victim has new worker pids, every later metrics line is the new
@@ -344,7 +350,7 @@ def _kill_and_time_recovery(ctx: CheckContext, job: TorchrunJob | SlurmJob, vict
     while True:
         lines = read_remote_metrics(ctx.record, ctx.ranks[0], metrics).steps
         last_step = lines[-1].step if lines else 0
-        if last_step > interval and last_step % interval:
+        if last_step > interval:
             break
         if any(code is not None for code in job.poll().values()):
             raise CheckError("the run ended before a checkpoint was written: "
