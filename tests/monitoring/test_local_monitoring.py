@@ -142,6 +142,9 @@ def test_dashboard_and_monitor_query_only_metrics_a_real_run_exposes(leak_run):
     assert "fsdp_trainer_host_rss_bytes" in queried and "node_cpu_seconds_total" in queried
     assert queried - leak_run["names"] - HARDWARE_ONLY == set()
     assert HARDWARE_ONLY & leak_run["names"] == set()  # else move it out of HARDWARE_ONLY
+    # The collectors the role turns off (systemd, which reads every unit over D-Bus at every scrape)
+    # export nothing, and nothing above queries them.
+    assert {name for name in leak_run["names"] if name.startswith("node_systemd_")} == set()
     variable = dashboard["templating"]["list"][0]
     assert variable["name"] == "job" and variable["query"]["query"] == "label_values(fsdp_trainer_step, job)"
 
