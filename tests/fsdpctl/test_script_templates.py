@@ -139,22 +139,30 @@ def test_batch_script_asks_for_gpus_and_exports_the_jobs_environment_only_when_g
 
 
 def test_leftover_agents_are_stopped_and_their_pid_files_removed(tmp_path):
-    agent = subprocess.Popen(["sleep", "60"])
+    # An agent of job a (its command line carries the job's rendezvous id, as torchrun's does), and a
+    # process that got the pid of job c's agent after that job ended by itself: only the agent is stopped.
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--rdzv-id", "a",
+                              "--max-restarts", "0"])
+    other = subprocess.Popen(["sleep", "60"])
     # Reaped as soon as it dies, as the nodes' agents are (a zombie would still answer `kill -0`).
     reaper = threading.Thread(target=agent.wait)
     reaper.start()
     try:
         (tmp_path / "fsdp-a.pid").write_text(f"{agent.pid}\n")
         (tmp_path / "fsdp-b.pid").write_text("999999999\n")  # an agent that is gone already
+        (tmp_path / "fsdp-c.pid").write_text(f"{other.pid}\n")
         script = render_script("checks/templates/stop_leftover_jobs.sh.j2",
                                pid_files=f"{tmp_path}/fsdp-*.pid")
         proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
-        assert proc.stdout.split() == [f"{tmp_path}/fsdp-a.pid", f"{tmp_path}/fsdp-b.pid"]
+        assert proc.stdout.split() == [f"{tmp_path}/fsdp-a.pid"]
         reaper.join(timeout=5)
         assert agent.returncode == -signal.SIGTERM
+        assert other.poll() is None
         assert not list(tmp_path.glob("fsdp-*.pid"))
     finally:
         agent.kill()
+        other.kill()
+        other.wait()
         reaper.join()
 
 
