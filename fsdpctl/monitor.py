@@ -64,7 +64,7 @@ class Prometheus:
         return f"http://127.0.0.1:{self.local_port}"
 
     def __enter__(self) -> Prometheus:
-        argv = remote.ssh_argv(self.record, self.node, "")[:-1]  # no remote command: -N
+        argv = remote.ssh_argv(self.record, self.node, "", shared=False)[:-1]  # no remote command: -N
         forward = f"127.0.0.1:{self.local_port}:{self.node.address}:{PROMETHEUS_PORT}"
         argv = [argv[0], "-N", "-o", "ExitOnForwardFailure=yes", "-L", forward, *argv[1:]]
         self._tunnel = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

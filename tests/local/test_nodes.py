@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -128,6 +129,32 @@ def test_copy_to_and_popen(state, tmp_path):
     assert out.splitlines() == ["tree file", "ran"]
     proc = remote.popen(state, 0, "echo started; sleep 0.2; echo done", stdout=subprocess.PIPE, text=True)
     assert proc.communicate(timeout=60)[0].splitlines() == ["started", "done"]
+
+
+SHARING = """
+import json, sys
+from fsdpctl import remote
+from fsdpctl.state import cluster_state
+state = cluster_state(sys.argv[1])
+# $PPID: the sshd process of the connection that ran the command
+parents = [remote.run(state, 0, "echo $PPID").stdout.strip() for _ in range(3)]
+parents += [remote.run_all(state, "echo $PPID")[0].stdout.strip()]
+print(json.dumps({"parents": parents, "sockets": str(remote._shared._dir)}))
+"""
+
+
+def test_commands_on_a_node_share_one_connection_which_ends_with_the_process(cluster):
+    """Every command a process runs on a node goes through one SSH connection (OpenSSH's ControlMaster),
+    and the process ends its connections when it exits."""
+    home, _ = cluster
+    done = subprocess.run([sys.executable, "-c", SHARING, NAME], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "FSDPCTL_HOME": str(home)}, check=True)
+    seen = json.loads(done.stdout)
+    assert len(set(seen["parents"])) == 1, seen  # one sshd connection for all four commands
+    sockets = seen["sockets"]
+    assert not Path(sockets).exists()
+    masters = subprocess.run(["pgrep", "-af", sockets], capture_output=True, text=True).stdout
+    assert masters == "", masters
 
 
 def test_run_reports_failures_and_timeouts_per_node(state):
