@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from argparse import Namespace
 from collections.abc import Callable, Iterator, Mapping
@@ -31,7 +30,7 @@ from fsdpctl.checkout import ANSIBLE_DIR, ANSIBLE_STRATEGIES, DEFAULT_ANSIBLE_ST
 from fsdpctl.console import Out, line_buffered, say
 from fsdpctl.errors import EXIT_OK, CommandError, Interrupted, UsageError
 from fsdpctl.inventory import write_inventory
-from fsdpctl.processes import processes, terminate
+from fsdpctl.processes import private_temp_dir, processes, terminate
 from fsdpctl.remote import close_control_masters, cluster_nodes, run_all
 from fsdpctl.slurm_nodes import nodes_held_up
 from fsdpctl.state import ClusterState, ConfigureRecord, HostRecap, TaskFailure
@@ -164,7 +163,7 @@ def _control_dir(run_dir: Path) -> Iterator[Path]:
         in_run_dir.mkdir()
         yield in_run_dir
         return
-    short = Path(tempfile.mkdtemp(prefix="fsdpctl-cp-"))
+    short = private_temp_dir("fsdpctl-cp-")
     try:
         yield short
     finally:

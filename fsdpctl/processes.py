@@ -1,14 +1,17 @@
 """This machine's processes, read from /proc: what a command killed half-way left running.
 
 A leaf module: the local target finds its nodes' processes with it, `configure` and `down` the
-ansible-playbook a killed configure left behind.
+ansible-playbook a killed configure left behind, `configure` and `remote` the socket directories of
+processes that are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +29,21 @@ def processes(*, with_environ: bool = False) -> Iterator[tuple[int, list[str], b
         except OSError:
             continue
         yield int(entry), [a.decode(errors="replace") for a in raw.split(b"\0") if a], environ
+
+
+def private_temp_dir(prefix: str) -> Path:
+    """A new directory that only this user can enter, `/tmp/<prefix><pid>-<random>`, for what needs a short
+    path (SSH control sockets: about 100 bytes at most). Its process removes it; one killed with SIGKILL
+    cannot, so first the directories of this prefix left by this user's processes that are gone are
+    removed."""
+    tmp = Path("/tmp")
+    for leftover in tmp.glob(f"{prefix}*-*"):
+        pid = leftover.name[len(prefix):].split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            mine = not leftover.is_symlink() and leftover.is_dir() and leftover.lstat().st_uid == os.getuid()
+            if mine and pid.isdigit() and not alive(int(pid)):
+                shutil.rmtree(leftover, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=tmp))
 
 
 def alive(pid: int) -> bool:

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import time
 from argparse import Namespace
@@ -27,6 +26,7 @@ from typing import Any
 
 from fsdpctl import state as state_mod
 from fsdpctl.errors import CommandError, UsageError
+from fsdpctl.processes import private_temp_dir
 from fsdpctl.state import ClusterRecord, ClusterState, Node, SshSettings
 
 TIMEOUT_RC = 124  # what coreutils `timeout` returns; a timed-out command reports it too
@@ -45,6 +45,7 @@ SSH_RETRY_DELAY_S = 2.0
 SHARED_IDLE_S = 60
 """How long a shared connection outlives its last command where its process could not close it (a
 SIGKILLed `fsdpctl`)."""
+SHARED_SOCKETS_PREFIX = "fsdpctl-ssh-"
 
 
 class RemoteCommandFailed(CommandError):
@@ -134,7 +135,7 @@ class _SharedConnections:
     def _socket(self, record: ClusterRecord, node: Node) -> Path:
         with self._lock:
             if self._dir is None or self._owner != os.getpid():
-                self._dir = Path(tempfile.mkdtemp(prefix="fsdpctl-ssh-", dir="/tmp"))
+                self._dir = private_temp_dir(SHARED_SOCKETS_PREFIX)
                 self._owner = os.getpid()
                 atexit.register(self.close)
             directory = self._dir
